@@ -1,0 +1,738 @@
+"""Utilities for distribution strategy with the PyTorch backend.
+
+The PyTorch backend distributes with `torch.distributed` and DTensor: one
+process drives one device, a Keras `DeviceMesh` becomes a torch
+`DeviceMesh` over process ranks, and a `TensorLayout` becomes a tuple of
+DTensor placements, one per mesh axis.
+"""
+
+import collections
+import datetime
+import math
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from keras.src import tree
+from keras.src.backend.common import global_state
+from keras.src.backend.common.keras_tensor import KerasTensor
+
+TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_SECONDS = 600
+
+# The backend form of a `TensorLayout`: the torch mesh, one placement per
+# mesh axis, and the Keras axes and mesh it came from (for error messages).
+DTensorLayout = collections.namedtuple(
+    "DTensorLayout", ["mesh", "placements", "axes", "keras_mesh"]
+)
+
+_BACKEND_MESHES = {}
+
+
+def list_devices(device_type=None):
+    """Return all the available devices based on the device type.
+
+    With the PyTorch backend, each process drives exactly one device, so the
+    global device list has one entry per process, named after the process
+    rank: `"gpu:3"` is the device of rank 3.
+
+    Args:
+        device_type: string of `"cpu"` or `"gpu"`. Defaults to `"gpu"` if
+            CUDA is available, otherwise `"cpu"`.
+
+    Return:
+        List of devices that are available for distribute computation.
+    """
+    device_type = _standardize_device_type(device_type)
+    _maybe_auto_initialize()
+    return [f"{device_type}:{i}" for i in range(num_processes())]
+
+
+def get_device_count(device_type=None):
+    """Returns the number of devices across all processes.
+
+    Args:
+        device_type: Optional device type to count (`"cpu"` or `"gpu"`).
+
+    Returns:
+        int: The total number of devices of that type.
+    """
+    return len(list_devices(device_type))
+
+
+def initialize(job_addresses=None, num_processes=None, process_id=None):
+    """Initializes `torch.distributed` and synchronizes the random seed.
+
+    Arguments not given are read from torchrun's environment (`MASTER_ADDR`,
+    `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`). Keras's own
+    `KERAS_DISTRIBUTION_*` variables are forwarded here by
+    `keras.distribution.initialize`. CPU tensors use gloo; on CUDA, NCCL is
+    used and each process binds the `LOCAL_RANK` device.
+
+    Args:
+        job_addresses: Comma separated `host:port` addresses of all jobs, or
+            just the coordinator's. The first one is the coordinator.
+        num_processes: Total number of processes.
+        process_id: Rank of this process.
+    """
+    if not dist.is_initialized():
+        _init_process_group(job_addresses, num_processes, process_id)
+    initialize_rng()
+
+
+def initialize_rng():
+    """Makes every process use the same global random seed.
+
+    If no seed was set with `keras.utils.set_random_seed`, process 0 draws
+    one and broadcasts it, as the JAX backend does in `initialize`.
+    """
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None:
+        return
+    seed = torch.tensor(
+        [seed_generator.make_default_seed()],
+        dtype=torch.int64,
+        device=_collective_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def num_processes():
+    """Return the number of processes for the current distribution setting."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def process_id():
+    """Return the current process ID for the distribution setting."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def _to_backend_device(device_name):
+    """Converts a Keras device name (`"gpu:3"`) to this rank's torch device.
+
+    Device ids are global process ranks. A process can only address its own
+    device, so the name is resolved on the node-local device index.
+    """
+    if isinstance(device_name, torch.device):
+        return device_name
+    device_type, device_id = _parse_device_name(device_name)
+    if device_type == "cpu":
+        return torch.device("cpu")
+    local_count = max(torch.cuda.device_count(), 1)
+    return torch.device("cuda", device_id % local_count)
+
+
+def _to_backend_mesh(device_mesh):
+    """Converts a Keras `DeviceMesh` to a torch `DeviceMesh` over ranks.
+
+    Torch meshes own process groups, so equal Keras meshes share one torch
+    mesh. Every process must convert its meshes in the same order, as with
+    any collective.
+
+    Args:
+        device_mesh: `DeviceMesh` instance to convert.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh` instance.
+    """
+    ranks = np.vectorize(lambda d: _parse_device_name(d)[1], otypes=[int])(
+        np.asarray(device_mesh.devices)
+    )
+    device_types = {
+        _parse_device_name(d)[0] for d in np.ravel(device_mesh.devices)
+    }
+    device_type = "cuda" if "gpu" in device_types else "cpu"
+    key = (device_type, ranks.shape, tuple(ranks.ravel().tolist()))
+    key += (tuple(device_mesh.axis_names),)
+    if key in _BACKEND_MESHES:
+        return _BACKEND_MESHES[key]
+    _ensure_process_group()
+    world_size = num_processes()
+    if sorted(ranks.ravel().tolist()) != list(range(world_size)):
+        raise ValueError(
+            f"The device mesh {device_mesh} must hold exactly one device per "
+            f"process, for all {world_size} processes. Received devices: "
+            f"{np.ravel(device_mesh.devices).tolist()}"
+        )
+    mesh = TorchDeviceMesh(
+        device_type,
+        torch.as_tensor(ranks),
+        mesh_dim_names=tuple(device_mesh.axis_names),
+    )
+    _BACKEND_MESHES[key] = mesh
+    return mesh
+
+
+def _to_backend_layout(tensor_layout):
+    """Converts a `TensorLayout` to DTensor placements on a torch mesh.
+
+    Each mesh axis maps to `Shard(dim)` when a tensor dimension is sharded
+    over it, and to `Replicate()` otherwise. A tensor dimension may be
+    sharded over several mesh axes, e.g. `(("batch", "model"), None)`: the
+    first axis named is the major one, as in JAX's `PartitionSpec`.
+
+    Args:
+        tensor_layout: `TensorLayout` instance to convert.
+
+    Returns:
+        A `DTensorLayout` (torch mesh, placements, axes, Keras mesh).
+    """
+    device_mesh = tensor_layout.device_mesh
+    if device_mesh is None:
+        raise ValueError(
+            "Cannot create sharding when device mesh is not set "
+            "for TensorLayout."
+        )
+    axes = tuple(tensor_layout.axes)
+    placements = _axes_to_placements(axes, device_mesh)
+    return DTensorLayout(
+        _to_backend_mesh(device_mesh), placements, axes, device_mesh
+    )
+
+
+def distribute_variable(value, layout, trainable=True, path=None):
+    """Creates the distributed parameter of a variable from its full value.
+
+    Values come from process 0, so that every replica holds identical
+    numbers even when the processes did not share a random seed.
+
+    Args:
+        value: the full (global) value of the variable, a torch tensor.
+        layout: `TensorLayout` or `DTensorLayout` for the variable.
+        trainable: whether the parameter requires gradients.
+        path: the variable path, named in error messages.
+
+    Returns:
+        A `torch.nn.Parameter` holding a DTensor.
+    """
+    layout = _backend_layout(layout)
+    validate_layout(value.shape, layout, path=path, require_divisible=True)
+    if isinstance(value, DTensor):
+        value = _relayout(value, layout)
+    else:
+        value = _dtensor_distribute(
+            value.detach(), layout.mesh, layout.placements, src_data_rank=0
+        )
+    parameter = torch.nn.Parameter(value, requires_grad=trainable)
+    if trainable:
+        parameter.register_post_accumulate_grad_hook(_relayout_gradient)
+    return parameter
+
+
+def assign_to_variable(parameter, value):
+    """Writes `value` into a distributed parameter, in the parameter's layout.
+
+    Plain values are the full value; each process keeps its own slice of it,
+    so no communication is needed. DTensor values of another layout are
+    redistributed first.
+
+    Args:
+        parameter: the DTensor parameter of a variable.
+        value: a torch tensor, numpy array or DTensor of the same shape.
+    """
+    layout = DTensorLayout(
+        parameter.device_mesh, tuple(parameter.placements), None, None
+    )
+    if isinstance(value, DTensor):
+        value = _relayout(value, layout)
+    else:
+        value = _dtensor_distribute(
+            torch.as_tensor(value, device=parameter.device),
+            layout.mesh,
+            layout.placements,
+            src_data_rank=None,
+        )
+    with torch.no_grad():
+        parameter.to_local().copy_(value.to_local())
+
+
+def distribute_tensor(tensor, layout):
+    """Distribute the tensor based on the layout.
+
+    Nested structures are distributed leaf by leaf with the same layout.
+    Symbolic tensors and non-tensors are returned unchanged, so functional
+    model construction is never affected. A DTensor is redistributed to the
+    layout (differentiably); a plain tensor is taken as the full value held
+    by process 0.
+
+    Args:
+        tensor: a tensor or a nested structure of tensors.
+        layout: `TensorLayout` or `DTensorLayout`.
+
+    Returns:
+        The distributed value(s).
+    """
+    if layout is None:
+        return tensor
+    layout = _backend_layout(layout)
+
+    def distribute_one(x):
+        if isinstance(x, KerasTensor) or not isinstance(x, torch.Tensor):
+            return x
+        if x.device.type == "meta":
+            return x
+        validate_layout(x.shape, layout, require_divisible=False)
+        if isinstance(x, DTensor):
+            return _relayout(x, layout)
+        return _dtensor_distribute(x, layout.mesh, layout.placements)
+
+    return tree.map_structure(distribute_one, tensor)
+
+
+def distribute_data_input(per_process_batch, layout, batch_dim_name):
+    """Distribute the input data with the corresponding layout.
+
+    Each process passes its own part of the global batch, split along the
+    batch axis (processes of one model replica pass the same part). The
+    result is the global batch as a DTensor: nothing is communicated.
+
+    Args:
+        per_process_batch: tensor or array, this process's part of the batch.
+        layout: `TensorLayout` or `DTensorLayout` for the global batch.
+        batch_dim_name: the mesh axis that splits the batch.
+
+    Returns:
+        A DTensor holding the global batch.
+    """
+    layout = _backend_layout(layout)
+    local = _to_device_tensor(per_process_batch, layout.mesh)
+    global_shape = list(local.shape)
+    for axis_names, placement in zip(
+        layout.mesh.mesh_dim_names, layout.placements
+    ):
+        if placement.is_shard():
+            global_shape[placement.dim] *= layout.mesh.size(
+                layout.mesh.mesh_dim_names.index(axis_names)
+            )
+    return DTensor.from_local(
+        local,
+        layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=_contiguous_strides(global_shape),
+    )
+
+
+def distribute_global_batch(global_batch, layout):
+    """Distributes a batch that every process holds in full.
+
+    Each process keeps only its own slice of the batch, without
+    communication. A batch dimension that does not divide by the number of
+    data shards is split unevenly, as `torch.chunk` does.
+
+    Args:
+        global_batch: tensor or array, the same global batch on every process.
+        layout: `TensorLayout` or `DTensorLayout` for the batch.
+
+    Returns:
+        A DTensor holding the global batch.
+    """
+    layout = _backend_layout(layout)
+    value = _to_device_tensor(global_batch, layout.mesh)
+    if isinstance(value, DTensor):
+        return _relayout(value, layout)
+    return _dtensor_distribute(
+        value, layout.mesh, layout.placements, src_data_rank=None
+    )
+
+
+def distribute_data(data, distribution):
+    """Distributes a (nested) batch of input data for a training step.
+
+    With `auto_shard_dataset=True`, every process holds the global batch and
+    keeps its own slice; otherwise each process holds its own part of the
+    global batch (see `distribute_data_input`).
+
+    Args:
+        data: nested structure of tensors or arrays.
+        distribution: the active `Distribution`.
+
+    Returns:
+        The same structure, with array leaves turned into DTensors.
+    """
+
+    def distribute_one(x):
+        if isinstance(x, DTensor) or not _is_batch_array(x):
+            return x
+        layout = distribution.get_data_layout(x.shape)
+        if distribution.auto_shard_dataset:
+            return distribute_global_batch(x, layout)
+        return distribute_data_input(x, layout, distribution.batch_dim_name)
+
+    return tree.map_structure(distribute_one, data)
+
+
+def all_reduce(x, op="sum", axis_name=None):
+    """Reduces the per-process values of `x` across processes.
+
+    Args:
+        x: a tensor, array or `Variable` holding this process's value. A
+            DTensor stands for its global value, which is returned in full.
+        op: `"sum"`, `"mean"`, `"max"` or `"min"`.
+        axis_name: optional mesh axis of the current distribution; the
+            reduction then runs only among processes along that axis.
+
+    Returns:
+        A plain tensor, identical on the participating processes.
+    """
+    value = _local_value(x)
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    value = value.clone()
+    if num_processes() == 1:
+        return value
+    reduce_ops = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
+    if op not in reduce_ops:
+        raise ValueError(
+            f"Unsupported reduction op={op}. Expected one of "
+            f"{sorted(reduce_ops)}."
+        )
+    group = _axis_group(axis_name)
+    dist.all_reduce(value, op=reduce_ops[op], group=group)
+    if op == "mean":
+        value = value / dist.get_world_size(group)
+    return value
+
+
+def all_gather(x, axis=0, axis_name=None):
+    """Concatenates the per-process values of `x` along `axis`.
+
+    Args:
+        x: a tensor, array or `Variable` holding this process's value. A
+            DTensor stands for its global value, which is returned in full.
+        axis: the tensor axis to concatenate on.
+        axis_name: optional mesh axis of the current distribution; only the
+            processes along that axis take part.
+
+    Returns:
+        A plain tensor, identical on the participating processes.
+    """
+    value = _local_value(x)
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if num_processes() == 1:
+        return value.clone()
+    group = _axis_group(axis_name)
+    parts = [
+        torch.empty_like(value) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    return torch.cat(parts, dim=axis)
+
+
+def validate_layout(shape, layout, path=None, require_divisible=True):
+    """Checks that a layout fits a tensor shape on its mesh.
+
+    Args:
+        shape: the tensor shape.
+        layout: a `DTensorLayout`.
+        path: name of the variable or tensor, for the error message.
+        require_divisible: whether every sharded dimension must divide by
+            the product of its mesh axis sizes (variables must; data batches
+            may be split unevenly).
+
+    Raises:
+        ValueError: naming the path, shape, layout, mesh and offending axis.
+    """
+    axes = layout.axes
+    if axes is None:
+        return
+    shape = tuple(shape)
+    if len(axes) != len(shape):
+        raise ValueError(
+            _layout_error(
+                path,
+                shape,
+                layout,
+                f"the layout has {len(axes)} axes but the tensor has rank "
+                f"{len(shape)}",
+            )
+        )
+    if not require_divisible:
+        return
+    mesh = layout.keras_mesh
+    for dim, entry in enumerate(axes):
+        names = _as_axis_tuple(entry)
+        if not names:
+            continue
+        parts = math.prod(
+            mesh.shape[list(mesh.axis_names).index(n)] for n in names
+        )
+        if shape[dim] % parts:
+            raise ValueError(
+                _layout_error(
+                    path,
+                    shape,
+                    layout,
+                    f"dimension {dim} of size {shape[dim]} is not divisible "
+                    f"by {parts}, the size of mesh axis "
+                    f"{' x '.join(repr(n) for n in names)}",
+                )
+            )
+
+
+def _axes_to_placements(axes, device_mesh):
+    """Maps Keras layout axes to one DTensor placement per mesh axis."""
+    axis_names = list(device_mesh.axis_names)
+    mesh_shape = tuple(device_mesh.shape)
+    placements = [Replicate() for _ in axis_names]
+    used = {}
+    for tensor_dim, entry in enumerate(axes):
+        mesh_dims = []
+        for name in _as_axis_tuple(entry):
+            if name not in axis_names:
+                raise ValueError(
+                    f"Invalid layout axes {axes} for mesh {device_mesh}: "
+                    f"axis {name!r} is not a mesh axis. Valid axis names: "
+                    f"{axis_names}"
+                )
+            if name in used:
+                raise ValueError(
+                    f"Invalid layout axes {axes} for mesh {device_mesh}: "
+                    f"axis {name!r} shards both dimension {used[name]} and "
+                    f"dimension {tensor_dim}; a mesh axis may be used once."
+                )
+            used[name] = tensor_dim
+            mesh_dims.append(axis_names.index(name))
+        for position, mesh_dim in enumerate(mesh_dims):
+            # Mesh axes named earlier are the major ones. DTensor splits in
+            # mesh-axis order, so an axis that follows a major axis in the
+            # mesh must be split with the major axes' size as a stride.
+            split_factor = math.prod(
+                mesh_shape[d] for d in mesh_dims[:position] if d > mesh_dim
+            )
+            if split_factor == 1:
+                placements[mesh_dim] = Shard(tensor_dim)
+            else:
+                placements[mesh_dim] = _StridedShard(
+                    tensor_dim, split_factor=split_factor
+                )
+    return tuple(placements)
+
+
+def _as_axis_tuple(entry):
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(entry)
+    return (entry,)
+
+
+def _layout_error(path, shape, layout, reason):
+    name = f"variable '{path}'" if path else "tensor"
+    return (
+        f"Invalid layout for {name} with shape {tuple(shape)}: layout axes "
+        f"{layout.axes} on mesh {layout.keras_mesh}: {reason}."
+    )
+
+
+def _backend_layout(layout):
+    """Returns the `DTensorLayout` for a `TensorLayout` or backend layout."""
+    if isinstance(layout, DTensorLayout):
+        return layout
+    return layout.backend_layout
+
+
+def _relayout(value, layout):
+    """Redistributes a DTensor to `layout` (differentiably)."""
+    if value.device_mesh == layout.mesh:
+        if tuple(value.placements) == tuple(layout.placements):
+            return value
+        return value.redistribute(layout.mesh, layout.placements)
+    return _dtensor_distribute(
+        value.full_tensor(), layout.mesh, layout.placements, src_data_rank=None
+    )
+
+
+def _relayout_gradient(parameter):
+    """Brings an accumulated gradient to its parameter's placements.
+
+    Gradients of replicated parameters computed from batch-sharded inputs
+    come out as partial sums; reducing them here, once, keeps the optimizer
+    free of collectives.
+    """
+    grad = parameter.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
+        parameter.placements
+    ):
+        parameter.grad = grad.redistribute(
+            parameter.device_mesh, parameter.placements
+        )
+
+
+def _is_batch_array(x):
+    return (
+        isinstance(x, (torch.Tensor, np.ndarray)) and len(x.shape) > 0
+    ) and not isinstance(x, KerasTensor)
+
+
+def _to_device_tensor(x, mesh):
+    if isinstance(x, DTensor):
+        return x
+    device = torch.device(mesh.device_type)
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    return convert_to_tensor(x).to(device)
+
+
+def _contiguous_strides(shape):
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _local_value(x):
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    if hasattr(x, "value") and not isinstance(x, torch.Tensor):
+        x = x.value
+    if isinstance(x, DTensor):
+        return x
+    return convert_to_tensor(x)
+
+
+def _axis_group(axis_name):
+    if axis_name is None:
+        return None
+    distribution = global_state.get_global_attribute("distribution")
+    if distribution is None:
+        raise ValueError(
+            f"axis_name={axis_name!r} needs a distribution to be set."
+        )
+    mesh = distribution.device_mesh.backend_mesh
+    return mesh.get_group(axis_name)
+
+
+def _parse_device_name(device_name):
+    device_name = str(device_name).lower()
+    if ":" in device_name:
+        device_type, device_id = device_name.split(":")
+    else:
+        device_type, device_id = device_name, 0
+    device_type = "gpu" if device_type in ("gpu", "cuda") else device_type
+    if device_type not in ("cpu", "gpu"):
+        raise ValueError(f"Device not found: {device_name}")
+    return device_type, int(device_id)
+
+
+def _standardize_device_type(device_type):
+    if device_type is None:
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    device_type = device_type.lower()
+    if device_type == "cuda":
+        device_type = "gpu"
+    if device_type not in ("cpu", "gpu"):
+        raise ValueError(
+            f"Unsupported device_type={device_type!r} for the torch backend. "
+            "Expected 'cpu' or 'gpu'."
+        )
+    return device_type
+
+
+def _collective_device():
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timeout():
+    seconds = float(os.environ.get(TIMEOUT_ENV_VAR, DEFAULT_TIMEOUT_SECONDS))
+    return datetime.timedelta(seconds=seconds)
+
+
+def _launched_multi_process():
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _maybe_auto_initialize():
+    """Joins torchrun's process group if the user did not call initialize."""
+    if not dist.is_initialized() and _launched_multi_process():
+        initialize()
+
+
+def _ensure_process_group():
+    """DTensor needs a process group, even for a single process."""
+    if dist.is_initialized():
+        return
+    if _launched_multi_process():
+        initialize()
+        return
+    dist.init_process_group(
+        backend="gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=_timeout(),
+    )
+
+
+def _init_process_group(job_addresses, num_processes, process_id):
+    """Creates the default process group from arguments and environment."""
+    if job_addresses:
+        addresses = job_addresses.split(",")
+        if num_processes is not None and len(addresses) > 1:
+            if num_processes != len(addresses):
+                raise ValueError(
+                    f"The provided job_addresses {addresses} has "
+                    f"{len(addresses)} jobs, but num_processes is "
+                    f"{num_processes}"
+                )
+        host, _, port = addresses[0].rpartition(":")
+        if not host:
+            raise ValueError(
+                "Expected job addresses as 'host:port'. Received: "
+                f"job_addresses={job_addresses}"
+            )
+        os.environ["MASTER_ADDR"] = host
+        os.environ["MASTER_PORT"] = port
+    world_size = (
+        num_processes
+        if num_processes is not None
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    rank = (
+        process_id
+        if process_id is not None
+        else int(os.environ.get("RANK", "0"))
+    )
+    kwargs = {"timeout": _timeout(), "rank": rank, "world_size": world_size}
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        kwargs["store"] = dist.HashStore()
+    if torch.cuda.is_available():
+        local_rank = int(
+            os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())
+        )
+        torch.cuda.set_device(local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, **kwargs)

@@ -1,0 +1,294 @@
+"""The post-import edits: what would be changes to upstream keras files.
+
+Each edit is one small function that takes the freshly executed upstream
+module and changes it in place. UPSTREAMING.md lists every edit with the
+in-tree change it stands for. Edits act only under the torch backend, so
+keras on any other backend is exactly upstream keras.
+
+This module is imported at Python start-up: it imports neither torch nor
+keras at module level.
+"""
+
+import sys
+
+SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
+SUPPORTED_TORCH_MINIMUM = "2.6"
+
+
+class UnsupportedVersionError(RuntimeError):
+    """Raised when keras or torch is outside the supported range."""
+
+
+def _version_tuple(version):
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    return tuple(parts)
+
+
+def check_supported_versions(module=None):
+    """Fails with one clear error on a keras or torch outside the range."""
+    import torch
+
+    from keras.src.version import __version__ as keras_version
+
+    low, high = (_version_tuple(v) for v in SUPPORTED_KERAS)
+    keras_ok = low <= _version_tuple(keras_version) < high
+    torch_ok = _version_tuple(torch.__version__) >= _version_tuple(
+        SUPPORTED_TORCH_MINIMUM
+    )
+    if not (keras_ok and torch_ok):
+        raise UnsupportedVersionError(
+            "keras-dtensor supports keras>=3.15.1,<3.16 and torch>=2.6. "
+            f"Found keras=={keras_version} and torch=={torch.__version__}. "
+            "Install a supported version, or uninstall keras-dtensor."
+        )
+
+
+def _is_torch_backend():
+    from keras.src.backend.config import backend
+
+    return backend() == "torch"
+
+
+def _torch_distribution_lib():
+    from keras.src.backend.torch import distribution_lib
+
+    return distribution_lib
+
+
+def edit_backend_distribution_lib(backend_module):
+    """`keras.src.backend.distribution_lib` is the torch module, not None."""
+    if _is_torch_backend():
+        backend_module.distribution_lib = _torch_distribution_lib()
+
+
+def edit_distribution_api_binding(module):
+    """`keras.distribution` binds the torch `distribution_lib`.
+
+    Needed only when keras was imported before the mount was armed.
+    """
+    if _is_torch_backend() and module.distribution_lib is None:
+        module.distribution_lib = _torch_distribution_lib()
+
+
+def edit_tensor_layout_multi_axis(module):
+    """`TensorLayout` accepts a dimension sharded over several mesh axes.
+
+    As with JAX's `PartitionSpec`, an entry of `axes` may be a tuple of mesh
+    axis names, e.g. `(("batch", "model"), None)`.
+    """
+    if not _is_torch_backend():
+        return
+
+    def _validate_axes(self):
+        if not self._device_mesh:
+            return
+        valid_axis_names = set(self._device_mesh.axis_names)
+        axis_names = set()
+        for entry in self._axes:
+            if isinstance(entry, (tuple, list)):
+                axis_names.update(entry)
+            elif entry is not None:
+                axis_names.add(entry)
+        if axis_names - valid_axis_names:
+            raise ValueError(
+                "Invalid axis names for Layout. Valid axis "
+                f"names: {valid_axis_names}, Got {axis_names}"
+            )
+
+    module.TensorLayout._validate_axes = _validate_axes
+
+
+def edit_variable_initialize(core):
+    """Variables are created as DTensor parameters in their layout.
+
+    The layout is an explicit `layout=` argument, else the active
+    distribution's `get_variable_layout`; with neither, creation is
+    upstream's.
+    """
+    from keras.src.backend.common import global_state
+
+    upstream_initialize = core.Variable._initialize
+
+    def _initialize(self, value):
+        if self._layout is None:
+            distribution = global_state.get_global_attribute("distribution")
+            if distribution is None:
+                return upstream_initialize(self, value)
+            # `get_variable_layout` reads the shape, which may not be set yet.
+            self._shape = self._validate_shape(value.shape)
+            self._layout = distribution.get_variable_layout(self)
+        value = core.convert_to_tensor(value, dtype=self._dtype)
+        self._value = _torch_distribution_lib().distribute_variable(
+            value, self._layout, trainable=self.trainable, path=self.path
+        )
+
+    core.Variable._initialize = _initialize
+
+
+def edit_variable_assign(core):
+    """Every assignment to a distributed variable keeps its layout."""
+    from torch.distributed.tensor import DTensor
+
+    upstream_direct_assign = core.Variable._direct_assign
+
+    def _direct_assign(self, value):
+        if isinstance(self._value, DTensor):
+            _torch_distribution_lib().assign_to_variable(self._value, value)
+        else:
+            upstream_direct_assign(self, value)
+
+    core.Variable._direct_assign = _direct_assign
+
+
+def edit_variable_repr(core):
+    """A distributed variable's repr shows its placements, not its values.
+
+    Printing the values would gather them: a collective that hangs when one
+    process prints alone.
+    """
+    from torch.distributed.tensor import DTensor
+
+    upstream_repr = core.Variable.__repr__
+
+    def __repr__(self):
+        value = getattr(self, "_value", None)
+        if not isinstance(value, DTensor):
+            return upstream_repr(self)
+        return (
+            f"<Variable path={self.path}, shape={self.shape}, "
+            f"dtype={self.dtype}, placements={tuple(value.placements)}, "
+            f"local_shape={tuple(value.to_local().shape)}>"
+        )
+
+    core.Variable.__repr__ = __repr__
+
+
+def edit_convert_to_numpy(core):
+    """`convert_to_numpy` returns the full value of a DTensor on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    upstream_convert_to_numpy = core.convert_to_numpy
+
+    def gather(x):
+        return x.full_tensor() if isinstance(x, DTensor) else x
+
+    def convert_to_numpy(x):
+        if isinstance(x, (list, tuple)):
+            x = type(x)(gather(e) for e in x)
+        else:
+            x = gather(x)
+        return upstream_convert_to_numpy(x)
+
+    core.convert_to_numpy = convert_to_numpy
+
+
+def edit_trainer_input_distribution(trainer_module):
+    """Train, test and predict steps distribute their input batch on entry.
+
+    Under a distribution, every array leaf of the batch becomes a DTensor
+    laid out by `Distribution.get_data_layout` before the step (compiled or
+    not) runs. Without a distribution the step is upstream's.
+    """
+    from keras.src.backend.common import global_state
+
+    def distribute_inputs(step_fn):
+        def step_with_distributed_inputs(data):
+            distribution = global_state.get_global_attribute("distribution")
+            if distribution is not None:
+                data = _torch_distribution_lib().distribute_data(
+                    data, distribution
+                )
+            return step_fn(data)
+
+        step_with_distributed_inputs.distributes_inputs = True
+        return step_with_distributed_inputs
+
+    def wrap_maker(function_name):
+        upstream_maker = getattr(trainer_module.TorchTrainer, function_name)
+
+        def make_function(self, force=False):
+            upstream_maker(self, force=force)
+            attribute = function_name[len("make_") :]
+            step_fn = getattr(self, attribute)
+            if step_fn is not None and not getattr(
+                step_fn, "distributes_inputs", False
+            ):
+                setattr(self, attribute, distribute_inputs(step_fn))
+            return getattr(self, attribute)
+
+        setattr(trainer_module.TorchTrainer, function_name, make_function)
+
+    for function_name in (
+        "make_train_function",
+        "make_test_function",
+        "make_predict_function",
+    ):
+        wrap_maker(function_name)
+
+
+def edit_data_adapter_auto_shard(data_adapters):
+    """Multi-process auto-sharding accepts every input type on torch.
+
+    Upstream only auto-shards `tf.data` datasets. On torch, every process
+    iterates the same global batches and keeps its own slice of each when
+    the batch is distributed, so any adapter can be used as is.
+    """
+    if not _is_torch_backend():
+        return
+    upstream_get_data_adapter = data_adapters.get_data_adapter
+
+    def get_data_adapter(x, *args, **kwargs):
+        from keras.src.distribution import distribution_lib
+
+        distribution = distribution_lib.distribution()
+        if distribution is None or data_adapters.is_tf_dataset(x):
+            return upstream_get_data_adapter(x, *args, **kwargs)
+        multi_process = distribution._is_multi_process
+        distribution._is_multi_process = False
+        try:
+            return upstream_get_data_adapter(x, *args, **kwargs)
+        finally:
+            distribution._is_multi_process = multi_process
+
+    data_adapters.get_data_adapter = get_data_adapter
+
+
+# Upstream module name -> edits to apply once it has executed. Values are
+# functions so that nothing is looked up before the module is imported.
+POST_IMPORT_EDITS = {
+    "keras.src.backend.torch.core": lambda: [
+        check_supported_versions,
+        edit_variable_initialize,
+        edit_variable_assign,
+        edit_variable_repr,
+        edit_convert_to_numpy,
+    ],
+    "keras.src.backend": lambda: [edit_backend_distribution_lib],
+    "keras.src.distribution.distribution_lib": lambda: [
+        edit_distribution_api_binding,
+        edit_tensor_layout_multi_axis,
+    ],
+    "keras.src.backend.torch.trainer": lambda: [
+        edit_trainer_input_distribution
+    ],
+    "keras.src.trainers.data_adapters": lambda: [
+        edit_data_adapter_auto_shard
+    ],
+}
+
+
+def apply_to_loaded_modules():
+    """Applies the edits to modules imported before the mount was armed."""
+    for name, edits_for in POST_IMPORT_EDITS.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for edit in edits_for():
+            edit(module)

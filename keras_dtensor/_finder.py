@@ -1,0 +1,108 @@
+"""Import machinery of the mount: serves this repository's `keras/` modules.
+
+This module is imported at every Python start-up by `keras_dtensor.pth`, so
+it must stay cheap: it imports neither torch nor keras. It installs one
+meta-path finder that does two things:
+
+1. It serves the modules of the overlay tree (the `keras/` folder shipped
+   with this project) under their in-tree names, e.g.
+   `keras.src.backend.torch.distribution_lib`. Only names that exist in the
+   overlay are served; everything else comes from the installed keras.
+2. After selected upstream keras modules finish executing, it calls the
+   post-import edits registered for them (see `keras_dtensor._edits`).
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+OVERLAY_PACKAGE = "keras.src"
+
+
+def overlay_root():
+    """Returns the folder that holds the overlay's `src/` tree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (
+        os.path.join(here, "_overlay", "keras"),
+        os.path.join(os.path.dirname(here), "keras"),
+    ):
+        if os.path.isdir(os.path.join(candidate, "src")):
+            return candidate
+    return None
+
+
+class _EditingLoader(importlib.abc.Loader):
+    """Runs the upstream loader, then the edits registered for the module."""
+
+    def __init__(self, loader, edits):
+        self._loader = loader
+        self._edits = edits
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        for edit in self._edits:
+            edit(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class KerasOverlayFinder(importlib.abc.MetaPathFinder):
+    """Serves overlay modules and applies post-import edits to upstream ones.
+
+    Args:
+        root: folder holding the overlay `keras/` tree (the one with `src/`).
+        post_import_edits: dict mapping a module name to a callable that
+            returns the list of edits (functions taking the module) to
+            apply once that module has executed.
+    """
+
+    def __init__(self, root, post_import_edits):
+        self._root = root
+        self._post_import_edits = post_import_edits
+
+    def _overlay_file(self, fullname):
+        if not fullname.startswith(OVERLAY_PACKAGE + ".") or not self._root:
+            return None
+        relative = fullname.split(".")[1:]
+        path = os.path.join(self._root, *relative) + ".py"
+        return path if os.path.isfile(path) else None
+
+    def find_spec(self, fullname, path=None, target=None):
+        overlay_file = self._overlay_file(fullname)
+        if overlay_file is not None:
+            return importlib.util.spec_from_file_location(
+                fullname, overlay_file
+            )
+        edits_for = self._post_import_edits.get(fullname)
+        if edits_for is None:
+            return None
+        spec = self._find_upstream_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        edits = edits_for()
+        if edits:
+            spec.loader = _EditingLoader(spec.loader, edits)
+        return spec
+
+    def _find_upstream_spec(self, fullname, path, target):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+def installed_finder():
+    """Returns the finder already on `sys.meta_path`, if any."""
+    for finder in sys.meta_path:
+        if type(finder).__name__ == KerasOverlayFinder.__name__:
+            return finder
+    return None
