@@ -14,8 +14,9 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import keras  # noqa: E402
 
 
 def build_model():
@@ -30,9 +31,7 @@ def main():
     keras.distribution.initialize()
     keras.utils.set_random_seed(1234)
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh(
-        (len(devices),), ("model",), devices
-    )
+    mesh = keras.distribution.DeviceMesh((len(devices),), ("model",), devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["dense_1/kernel"] = (None, "model")
     layout_map["dense_1/bias"] = ("model",)
@@ -60,9 +59,7 @@ def main():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    history = model.fit(
-        x, y, batch_size=16, epochs=3, shuffle=False, verbose=0
-    )
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     print(f"[rank {rank}] losses: {history.history['loss']}", flush=True)
 
 

@@ -278,9 +278,7 @@ POST_IMPORT_EDITS = {
     "keras.src.backend.torch.trainer": lambda: [
         edit_trainer_input_distribution
     ],
-    "keras.src.trainers.data_adapters": lambda: [
-        edit_data_adapter_auto_shard
-    ],
+    "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
 }
 
 

@@ -435,9 +435,7 @@ def all_gather(x, axis=0, axis_name=None):
     if num_processes() == 1:
         return value.clone()
     group = _axis_group(axis_name)
-    parts = [
-        torch.empty_like(value) for _ in range(dist.get_world_size(group))
-    ]
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, value.contiguous(), group=group)
     return torch.cat(parts, dim=axis)
 
