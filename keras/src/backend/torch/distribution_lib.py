@@ -221,7 +221,13 @@ def distribute_variable(value, layout, trainable=True, path=None):
     Returns:
         A `torch.nn.Parameter` holding a DTensor.
     """
-    layout = _backend_layout(layout)
+    try:
+        layout = _backend_layout(layout)
+    except ValueError as error:
+        raise ValueError(
+            f"Invalid layout for variable '{path}' with shape "
+            f"{tuple(value.shape)}: {error}"
+        ) from None
     validate_layout(value.shape, layout, path=path, require_divisible=True)
     if isinstance(value, DTensor):
         value = _relayout(value, layout)
@@ -614,8 +620,8 @@ def _local_value(x):
     if hasattr(x, "value") and not isinstance(x, torch.Tensor):
         x = x.value
     if isinstance(x, DTensor):
-        return x
-    return convert_to_tensor(x)
+        return x.detach()
+    return convert_to_tensor(x).detach()
 
 
 def _axis_group(axis_name):

@@ -1,0 +1,245 @@
+"""Foundation on 2 and 4 gloo processes, compared with one process.
+
+Meshes (2,), (1, 2), (2, 1) on 2 processes and (2, 2) on 4. A 1-D mesh has
+the axis `model`; a 2-D mesh has `batch` and `model`. Each launch runs all
+checks of `workers/foundation_worker.py` and the assertions below compare
+every rank's report with the others and with the single-process run.
+"""
+
+import numpy as np
+import pytest
+
+import harness
+
+MESHES = [(2, "2"), (2, "1,2"), (2, "2,1"), (4, "2,2")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("reference")
+    return harness.launch("foundation_worker.py", 1, tmp_path, args=["1"])[0]
+
+
+@pytest.fixture(scope="module", params=MESHES, ids=lambda p: f"mesh{p[1]}")
+def run(request, tmp_path_factory):
+    nprocs, mesh = request.param
+    tmp_path = tmp_path_factory.mktemp("mesh")
+    reports = harness.launch("foundation_worker.py", nprocs, tmp_path, [mesh])
+    shape = tuple(int(s) for s in mesh.split(","))
+    return nprocs, shape, reports
+
+
+def axis_sizes(shape):
+    """Returns (batch axis size, model axis size, model mesh dim)."""
+    if len(shape) == 1:
+        return shape[0], shape[0], 0
+    return shape[0], shape[1], 1
+
+
+def coordinate(rank, shape):
+    return np.unravel_index(rank, shape)
+
+
+def expected_placements(shape, shard_dim):
+    _, _, model_dim = axis_sizes(shape)
+    placements = ["R"] * len(shape)
+    if shard_dim is not None:
+        placements[model_dim] = f"S({shard_dim})"
+    return placements
+
+
+def chunk(full, dim, index, parts):
+    return np.split(np.asarray(full), parts, axis=dim)[index]
+
+
+def test_devices(run):
+    nprocs, _, reports = run
+    for rank, report in enumerate(reports):
+        assert report["devices"] == [f"cpu:{i}" for i in range(nprocs)]
+        assert report["device_count"] == nprocs
+        assert report["num_processes"] == nprocs
+        assert report["process_id"] == rank
+
+
+@pytest.mark.parametrize(
+    "path,shard_dim",
+    [
+        ("up/kernel", 1),
+        ("up/bias", 0),
+        ("down/kernel", 0),
+        ("down/bias", None),
+        ("head/kernel", None),
+        ("head/bias", None),
+    ],
+)
+def test_variable_layouts_and_values(run, reference, path, shard_dim):
+    _, shape, reports = run
+    _, model_size, model_dim = axis_sizes(shape)
+    full_reference = np.asarray(reference[f"full/{path}"])
+    for rank, report in enumerate(reports):
+        assert report[f"placements/{path}"] == expected_placements(
+            shape, shard_dim
+        )
+        full = np.asarray(report[f"full/{path}"])
+        # Same seed: the distributed values are the single-process values.
+        np.testing.assert_array_equal(full, full_reference)
+        local = np.asarray(report[f"local/{path}"])
+        if shard_dim is None:
+            expected_local = full_reference
+        else:
+            index = coordinate(rank, shape)[model_dim]
+            expected_local = chunk(full_reference, shard_dim, index, model_size)
+        assert list(local.shape) == list(expected_local.shape)
+        assert report[f"local_shape/{path}"] == list(expected_local.shape)
+        np.testing.assert_array_equal(local, expected_local)
+    np.testing.assert_array_equal(
+        np.asarray(reports[0]["weights"][0]),
+        np.asarray(reference["weights"][0]),
+    )
+
+
+def test_optimizer_slots_follow_their_parameter(run):
+    _, shape, reports = run
+    for report in reports:
+        slots = report["slot_placements"]
+        assert slots["sgd/up_kernel_momentum"] == report["placements/up/kernel"]
+        assert slots["sgd/up_bias_momentum"] == report["placements/up/bias"]
+        assert (
+            slots["sgd/down_kernel_momentum"]
+            == report["placements/down/kernel"]
+        )
+        assert slots["sgd/head_kernel_momentum"] == ["R"] * len(shape)
+
+
+def test_multi_axis_dimension_order(run):
+    nprocs, shape, reports = run
+    if len(shape) != 2:
+        pytest.skip("needs a 2-D mesh")
+    batch_size, model_size, _ = axis_sizes(shape)
+    full = np.arange(24, dtype="float32").reshape(8, 3)
+    parts = batch_size * model_size
+    for rank, report in enumerate(reports):
+        b, m = report["mesh_coordinate"]
+        assert (b, m) == tuple(coordinate(rank, shape))
+        batch_major = np.asarray(report["multi_axis/batch_major/local"])
+        model_major = np.asarray(report["multi_axis/model_major/local"])
+        np.testing.assert_array_equal(
+            batch_major, chunk(full, 0, b * model_size + m, parts)
+        )
+        np.testing.assert_array_equal(
+            model_major, chunk(full, 0, m * batch_size + b, parts)
+        )
+        for name in ("batch_major", "model_major"):
+            np.testing.assert_array_equal(
+                np.asarray(report[f"multi_axis/{name}/full"]), full
+            )
+
+
+def test_assign_keeps_layout(run):
+    _, shape, reports = run
+    _, model_size, model_dim = axis_sizes(shape)
+    new_value = np.arange(8 * 16, dtype="float32").reshape(8, 16) / 100.0
+    for rank, report in enumerate(reports):
+        kernel_placements = expected_placements(shape, 1)
+        assert report["assign_numpy/placements"] == kernel_placements
+        index = coordinate(rank, shape)[model_dim]
+        np.testing.assert_array_equal(
+            np.asarray(report["assign_numpy/local"]),
+            chunk(new_value, 1, index, model_size),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(report["assign_numpy/full"]), new_value
+        )
+        assert report["assign_dtensor/placements"] == kernel_placements
+        np.testing.assert_array_equal(
+            np.asarray(report["assign_dtensor/full"]), new_value * 2.0
+        )
+        assert report["set_weights/placements"] == kernel_placements
+        assert report["set_weights/local_shape"] == [8, 16 // model_size]
+        assert report["set_weights/full_sum"] == 1.5 * 8 * 16
+
+
+def test_distribute_tensor_nested_and_redistribute(run):
+    _, shape, reports = run
+    _, model_size, model_dim = axis_sizes(shape)
+    data = np.arange(24, dtype="float32").reshape(4, 6)
+    for rank, report in enumerate(reports):
+        index = coordinate(rank, shape)[model_dim]
+        assert report["distribute/a/placements"] == expected_placements(
+            shape, 1
+        )
+        np.testing.assert_array_equal(
+            np.asarray(report["distribute/a/local"]),
+            chunk(data, 1, index, model_size),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(report["distribute/b/local"]),
+            chunk(data + 1, 1, index, model_size),
+        )
+        assert report["distribute/b/none_kept"] is True
+        assert report["redistribute/placements"] == ["R"] * len(shape)
+        np.testing.assert_array_equal(
+            np.asarray(report["redistribute/local"]), data
+        )
+
+
+def test_distribute_data_input_builds_global_batch(run):
+    _, shape, reports = run
+    batch_size = shape[0]
+    expected = np.repeat(np.arange(batch_size, dtype="float32"), 2)
+    expected = np.repeat(expected[:, None], 3, axis=1)
+    for rank, report in enumerate(reports):
+        assert report["data_input/shape"] == [2 * batch_size, 3]
+        shard = coordinate(rank, shape)[0]
+        np.testing.assert_array_equal(
+            np.asarray(report["data_input/local"]), np.full((2, 3), shard)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(report["data_input/full"]), expected
+        )
+
+
+def test_collectives(run):
+    nprocs, _, reports = run
+    values = np.array([[r + 1.0, 10.0 * (r + 1)] for r in range(nprocs)])
+    for report in reports:
+        np.testing.assert_allclose(report["all_reduce/sum"], values.sum(0))
+        np.testing.assert_allclose(report["all_reduce/mean"], values.mean(0))
+        np.testing.assert_allclose(report["all_reduce/max"], values.max(0))
+        np.testing.assert_allclose(report["all_gather"], values.reshape(-1))
+        np.testing.assert_array_equal(
+            np.asarray(report["all_gather/variable"]),
+            np.asarray(report["full/up/kernel"]),
+        )
+
+
+def test_layer_output_layouts(run, reference):
+    _, shape, reports = run
+    expected = ["S(0)"] if len(shape) == 1 else ["S(0)", "R"]
+    for report in reports:
+        assert report["outputs/proj/placements"] == expected
+        np.testing.assert_allclose(
+            np.asarray(report["outputs/proj/value"]),
+            np.asarray(reference["outputs/proj/value"]),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
+
+def test_invalid_layouts_name_path_shape_layout_mesh_and_axis(run):
+    _, shape, reports = run
+    for report in reports:
+        rank_error = report["error/rank"]
+        assert rank_error.startswith("ValueError")
+        for part in ("'bad_rank'", "(4, 4)", "('model',)", "DeviceMesh"):
+            assert part in rank_error
+        assert "rank 2" in rank_error
+        if shape[-1] > 1:
+            error = report["error/indivisible"]
+            for part in ("'odd'", "(3, 4)", "('model', None)", "'model'"):
+                assert part in error
+            assert "not divisible" in error
+        twice = report["error/twice"]
+        assert "'model'" in twice and "once" in twice
+        assert "'twice'" in twice and "(4, 4)" in twice
+        assert "nope" in report["error/unknown"]
