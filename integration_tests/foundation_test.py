@@ -6,10 +6,9 @@ checks of `workers/foundation_worker.py` and the assertions below compare
 every rank's report with the others and with the single-process run.
 """
 
+import harness
 import numpy as np
 import pytest
-
-import harness
 
 MESHES = [(2, "2"), (2, "1,2"), (2, "2,1"), (4, "2,2")]
 
