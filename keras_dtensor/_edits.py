@@ -11,6 +11,8 @@ keras at module level.
 
 import sys
 
+from keras_dtensor import _saving_edits
+
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
 SUPPORTED_TORCH_MINIMUM = "2.6"
 
@@ -280,6 +282,26 @@ POST_IMPORT_EDITS = {
     ],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
 }
+
+
+def _merge_edit_tables(*tables):
+    """Combines edit tables; edits for one module run in table order."""
+    merged = {}
+    for table in tables:
+        for name, edits_for in table.items():
+            previous = merged.get(name)
+            if previous is None:
+                merged[name] = edits_for
+            else:
+                merged[name] = (
+                    lambda first=previous, second=edits_for: first() + second()
+                )
+    return merged
+
+
+POST_IMPORT_EDITS = _merge_edit_tables(
+    POST_IMPORT_EDITS, _saving_edits.POST_IMPORT_EDITS
+)
 
 
 def apply_to_loaded_modules():
