@@ -16,3 +16,7 @@ sys.path.insert(
         os.path.dirname(os.path.abspath(__file__)), "integration_tests"
     ),
 )
+
+# Import keras before pytest imports the in-tree test modules, so that their
+# `keras.src...` names resolve to the installed keras (plus the mount).
+import keras  # noqa: E402, F401

@@ -9,6 +9,7 @@ This module is imported at Python start-up: it imports neither torch nor
 keras at module level.
 """
 
+import re
 import sys
 
 from keras_dtensor import _saving_edits
@@ -22,13 +23,14 @@ class UnsupportedVersionError(RuntimeError):
 
 
 def _version_tuple(version):
+    """`"2.13.0+cpu"` -> `(2, 13, 0)`; stops at the first non-numeric part."""
     parts = []
     for part in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
+        match = re.match(r"\d+", part)
+        if match is None:
             break
-        parts.append(int(digits))
-        if digits != part:
+        parts.append(int(match.group()))
+        if match.group() != part:
             break
     return tuple(parts)
 
@@ -293,8 +295,8 @@ def _merge_edit_tables(*tables):
             if previous is None:
                 merged[name] = edits_for
             else:
-                merged[name] = (
-                    lambda first=previous, second=edits_for: first() + second()
+                merged[name] = lambda first=previous, second=edits_for: (
+                    first() + second()
                 )
     return merged
 

@@ -398,12 +398,6 @@ def all_reduce(x, op="sum", axis_name=None):
     Returns:
         A plain tensor, identical on the participating processes.
     """
-    value = _local_value(x)
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    value = value.clone()
-    if num_processes() == 1:
-        return value
     reduce_ops = {
         "sum": dist.ReduceOp.SUM,
         "mean": dist.ReduceOp.SUM,
@@ -415,6 +409,12 @@ def all_reduce(x, op="sum", axis_name=None):
             f"Unsupported reduction op={op}. Expected one of "
             f"{sorted(reduce_ops)}."
         )
+    value = _local_value(x)
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    value = value.clone()
+    if num_processes() == 1:
+        return value
     group = _axis_group(axis_name)
     dist.all_reduce(value, op=reduce_ops[op], group=group)
     if op == "mean":

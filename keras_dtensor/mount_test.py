@@ -1,0 +1,182 @@
+"""Tests of the mount: start-up cost, idempotence, scope and versions.
+
+Each check runs in a fresh interpreter, since the mount acts at start-up
+and on first import of keras.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code, backend="torch"):
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_startup_hook_imports_neither_torch_nor_keras():
+    result = run_python(
+        "import json, sys\n"
+        "names = [type(f).__name__ for f in sys.meta_path]\n"
+        "print(json.dumps({'armed': 'KerasOverlayFinder' in names,"
+        " 'torch': 'torch' in sys.modules, 'keras': 'keras' in sys.modules}))"
+    )
+    assert result == {"armed": True, "torch": False, "keras": False}
+
+
+def test_import_is_idempotent():
+    result = run_python(
+        "import json, sys, importlib\n"
+        "import keras_dtensor\n"
+        "keras_dtensor.install(); keras_dtensor.install()\n"
+        "importlib.reload(keras_dtensor)\n"
+        "import keras\n"
+        "count = sum(type(f).__name__ == 'KerasOverlayFinder'"
+        " for f in sys.meta_path)\n"
+        "from keras.src.backend.torch import core\n"
+        "init = core.Variable._initialize\n"
+        "wrapped = [c.cell_contents for c in init.__closure__"
+        " if callable(c.cell_contents)]\n"
+        "print(json.dumps({'finders': count,"
+        " 'edited_once': [w.__module__ for w in wrapped],"
+        " 'module': init.__module__}))"
+    )
+    assert result["finders"] == 1
+    assert result["module"] == "keras_dtensor._edits"
+    # The edit wraps upstream's method itself, not an earlier edit.
+    assert result["edited_once"] == ["keras.src.backend.torch.core"]
+
+
+def test_overlay_modules_are_served_from_this_repo():
+    result = run_python(
+        "import json\n"
+        "import keras\n"
+        "from keras.src import backend\n"
+        "from keras.src.backend.torch import distribution_lib\n"
+        "print(json.dumps({'file': distribution_lib.__file__,"
+        " 'bound': backend.distribution_lib is distribution_lib,"
+        " 'keras': keras.__file__}))"
+    )
+    assert result["bound"]
+    overlay = os.path.realpath(result["file"])
+    assert overlay.endswith(
+        os.path.join("keras", "src", "backend", "torch", "distribution_lib.py")
+    )
+    assert not os.path.realpath(result["keras"]).startswith(REPO)
+
+
+def test_keras_tree_has_no_init_files():
+    for root, _, files in os.walk(os.path.join(REPO, "keras")):
+        assert "__init__.py" not in files, root
+
+
+def test_other_backends_are_untouched(monkeypatch):
+    """Every edit of a backend-independent module is inert off torch."""
+    import types
+
+    from keras.src.backend import config
+
+    from keras_dtensor import _edits
+
+    monkeypatch.setattr(config, "backend", lambda: "jax")
+    module = types.SimpleNamespace(distribution_lib=None)
+    _edits.edit_backend_distribution_lib(module)
+    _edits.edit_distribution_api_binding(module)
+    assert module.distribution_lib is None
+
+    class TensorLayout:
+        def _validate_axes(self):
+            return "upstream"
+
+    module.TensorLayout = TensorLayout
+    _edits.edit_tensor_layout_multi_axis(module)
+    assert TensorLayout._validate_axes(None) == "upstream"
+
+    def get_data_adapter(x):
+        return "upstream"
+
+    module.get_data_adapter = get_data_adapter
+    _edits.edit_data_adapter_auto_shard(module)
+    assert module.get_data_adapter is get_data_adapter
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None, reason="jax is not installed"
+)
+def test_jax_backend_is_untouched():
+    result = run_python(
+        "import json\n"
+        "import keras\n"
+        "from keras.src import backend as b\n"
+        "from keras.src.distribution import distribution_lib as d\n"
+        "from keras.src.backend.jax import core\n"
+        "print(json.dumps({'lib': b.distribution_lib.__name__,"
+        " 'variable': core.Variable._initialize.__module__,"
+        " 'validate': d.TensorLayout._validate_axes.__module__}))",
+        backend="jax",
+    )
+    assert result == {
+        "lib": "keras.src.backend.jax.distribution_lib",
+        "variable": "keras.src.backend.jax.core",
+        "validate": "keras.src.distribution.distribution_lib",
+    }
+
+
+def test_torch_without_distribution_creates_plain_parameters():
+    result = run_python(
+        "import json\n"
+        "import keras, torch\n"
+        "layer = keras.layers.Dense(2)\n"
+        "layer.build((None, 3))\n"
+        "value = layer.kernel.value\n"
+        "layer.kernel.assign(keras.ops.ones((3, 2)))\n"
+        "print(json.dumps({'type': type(value).__name__,"
+        " 'param': isinstance(value, torch.nn.Parameter),"
+        " 'sum': float(layer.kernel.numpy().sum())}))"
+    )
+    assert result == {"type": "Parameter", "param": True, "sum": 6.0}
+
+
+def test_unsupported_version_gives_one_clear_error():
+    result = run_python(
+        "import json\n"
+        "import keras\n"
+        "from keras.src import version\n"
+        "from keras_dtensor import _edits\n"
+        "version.__version__ = '3.14.0'\n"
+        "try:\n"
+        "    _edits.check_supported_versions()\n"
+        "    message = None\n"
+        "except _edits.UnsupportedVersionError as error:\n"
+        "    message = str(error)\n"
+        "version.__version__ = '3.15.1'\n"
+        "_edits.check_supported_versions()\n"
+        "print(json.dumps({'message': message}))"
+    )
+    message = result["message"]
+    assert "keras>=3.15.1,<3.16" in message
+    assert "torch>=2.6" in message
+    assert "keras==3.14.0" in message
+
+
+def test_version_parsing():
+    from keras_dtensor import _edits
+
+    assert _edits._version_tuple("2.13.0+cpu") == (2, 13, 0)
+    assert _edits._version_tuple("3.16.0.dev2026") == (3, 16, 0)
+    assert _edits._version_tuple("3.15.1rc1") == (3, 15, 1)
