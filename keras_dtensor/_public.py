@@ -3,7 +3,19 @@
 import importlib
 
 # Public name -> in-tree module that defines it.
-PUBLIC_NAMES = {}
+PUBLIC_NAMES = {
+    # Layout helpers.
+    "column_parallel": "keras.src.distribution.tensor_parallel",
+    "row_parallel": "keras.src.distribution.tensor_parallel",
+    "prepare_input": "keras.src.distribution.tensor_parallel",
+    "prepare_output": "keras.src.distribution.tensor_parallel",
+    "tensor_parallel_layouts": "keras.src.distribution.tensor_parallel",
+    "fully_sharded_layouts": "keras.src.distribution.fully_sharded",
+    "merge_layouts": "keras.src.distribution.layout_composition",
+    "check_layouts": "keras.src.distribution.layout_composition",
+    "make_device_mesh": "keras.src.distribution.layout_composition",
+    "layout_map_axes": "keras.src.distribution.layout_composition",
+}
 
 
 def resolve(name):

@@ -90,7 +90,6 @@ def test_other_backends_are_untouched(monkeypatch):
     import types
 
     from keras.src.backend import config
-
     from keras_dtensor import _edits
 
     monkeypatch.setattr(config, "backend", lambda: "jax")
