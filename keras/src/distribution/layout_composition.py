@@ -1,0 +1,479 @@
+"""Building, merging and checking `LayoutMap`s before variables exist.
+
+The layout helpers (`tensor_parallel_layouts`, `fully_sharded_layouts`)
+produce `LayoutMap`s. This module holds what they share: reading the
+variables of a built or abstract model, turning layout axes into
+`TensorLayout`s, and checking every variable of a model against a
+`LayoutMap` so that a bad layout fails with a clear `ValueError` before
+any variable is created.
+
+Everything here is backend-agnostic: it reads paths, shapes and mesh axis
+sizes only.
+"""
+
+import collections
+import math
+import re
+
+import numpy as np
+
+from keras.src.distribution.distribution_lib import DeviceMesh
+from keras.src.distribution.distribution_lib import LayoutMap
+from keras.src.distribution.distribution_lib import TensorLayout
+from keras.src.distribution.distribution_lib import list_devices
+
+
+def make_device_mesh(axis_sizes, devices=None):
+    """Creates a `DeviceMesh` from a dict of axis names to sizes.
+
+    One size may be `-1`: that axis takes all the devices the others leave,
+    so the same call builds a `(1, 2)` mesh on 2 devices and a `(2, 2)` mesh
+    on 4.
+
+    Example:
+
+    ```python
+    mesh = make_device_mesh({"fsdp": -1, "model": 2})
+    ```
+
+    Args:
+        axis_sizes: dict from mesh axis name to its size, in mesh order.
+        devices: optional list of devices. Defaults to
+            `keras.distribution.list_devices()`.
+
+    Returns:
+        A `keras.distribution.DeviceMesh`.
+    """
+    if not axis_sizes:
+        raise ValueError(
+            "`axis_sizes` must name at least one mesh axis. "
+            f"Received: axis_sizes={axis_sizes}"
+        )
+    if devices is None:
+        devices = list_devices()
+    devices = list(np.ravel(np.asarray(devices)))
+    names = tuple(axis_sizes)
+    sizes = [int(size) for size in axis_sizes.values()]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(
+            "Each mesh axis size must be a positive integer, and at most one "
+            f"may be -1. Received: axis_sizes={axis_sizes}"
+        )
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"Cannot build a mesh with axis_sizes={axis_sizes} from "
+                f"{len(devices)} devices: {len(devices)} is not divisible "
+                f"by {known}."
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"Cannot build a mesh with axis_sizes={axis_sizes} from "
+            f"{len(devices)} devices: the mesh needs {math.prod(sizes)}."
+        )
+    return DeviceMesh(tuple(sizes), names, devices)
+
+
+def variable_shapes(model):
+    """Returns an ordered dict from variable path to shape.
+
+    Args:
+        model: a built Keras layer or model, an abstract one (built under
+            `keras.StatelessScope()`, whose variables have shapes but no
+            values), a dict from variable path to shape, or a list of
+            variables.
+
+    Returns:
+        An `OrderedDict` from variable path (str) to shape (tuple of ints).
+    """
+    if isinstance(model, collections.abc.Mapping):
+        items = model.items()
+    else:
+        variables = getattr(model, "variables", model)
+        try:
+            items = [(v.path, v.shape) for v in variables]
+        except (AttributeError, TypeError):
+            raise ValueError(
+                "Expected a Keras layer or model, a dict from variable path "
+                "to shape, or a list of variables. "
+                f"Received: model={model}"
+            ) from None
+    shapes = collections.OrderedDict()
+    for path, shape in items:
+        shape = tuple(int(d) for d in shape)
+        if path in shapes and shapes[path] != shape:
+            raise ValueError(
+                f"Two variables share the path '{path}' with different "
+                f"shapes {shapes[path]} and {shape}: a LayoutMap cannot tell "
+                "them apart. Give the layers distinct names."
+            )
+        shapes[path] = shape
+    return shapes
+
+
+def layer_output_paths(model):
+    """Returns the `<layer path>/output` keys of a model's layers.
+
+    Args:
+        model: a Keras layer or model; anything else has no layer outputs.
+
+    Returns:
+        A list of keys, in layer order.
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is None:
+        return []
+    return [
+        f"{layer.path}/output"
+        for layer in flatten(include_self=True, recursive=True)
+        if layer.path
+    ]
+
+
+def normalize_axes(axes):
+    """Returns layout axes as a tuple of `None`, names and name tuples.
+
+    A dimension over one mesh axis is the axis name; over several, a tuple
+    of names (the first is the major one); unsharded, `None`.
+    """
+    if isinstance(axes, TensorLayout):
+        axes = axes.axes
+    normalized = []
+    for entry in axes:
+        if isinstance(entry, (tuple, list)):
+            entry = tuple(entry)
+            if not entry:
+                entry = None
+            elif len(entry) == 1:
+                entry = entry[0]
+        normalized.append(entry)
+    return tuple(normalized)
+
+
+def axis_names_of(entry):
+    """Returns the mesh axis names of one layout entry, as a tuple."""
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(entry)
+    return (entry,)
+
+
+def mesh_axis_sizes(device_mesh):
+    """Returns a dict from mesh axis name to its size."""
+    return dict(zip(device_mesh.axis_names, device_mesh.shape))
+
+
+def layout_error(path, shape, axes, device_mesh, reason, kind="variable"):
+    """Formats the message of an invalid layout.
+
+    Args:
+        path: the variable path or layout key.
+        shape: the variable shape, or `None` for a tensor of unknown shape.
+        axes: the layout axes.
+        device_mesh: the `DeviceMesh`.
+        reason: what is wrong, naming the offending axis.
+        kind: `"variable"` or `"tensor"`.
+
+    Returns:
+        The message (str).
+    """
+    shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
+    return (
+        f"Invalid layout for {kind} '{path}'{shape_text}: layout axes "
+        f"{tuple(axes)} on mesh {_mesh_text(device_mesh)}: {reason}."
+    )
+
+
+def check_layout(path, shape, axes, device_mesh, kind="variable"):
+    """Checks one layout against a shape and a mesh.
+
+    Every axis must be a mesh axis used at most once; with a known shape,
+    the rank must match and each sharded dimension must divide by the
+    product of its mesh axis sizes.
+
+    Args:
+        path: the variable path or layout key, for the message.
+        shape: the shape, or `None` when unknown (layer outputs).
+        axes: the layout axes.
+        device_mesh: the `DeviceMesh`.
+        kind: `"variable"` or `"tensor"`, for the message.
+
+    Raises:
+        ValueError: naming the path, shape, axes, mesh and offending axis.
+    """
+    axes = normalize_axes(axes)
+    sizes = mesh_axis_sizes(device_mesh)
+
+    def fail(reason):
+        raise ValueError(
+            layout_error(path, shape, axes, device_mesh, reason, kind)
+        )
+
+    if shape is not None and len(axes) != len(shape):
+        fail(
+            f"the layout has {len(axes)} axes but the {kind} has rank "
+            f"{len(shape)}"
+        )
+    used = {}
+    for dim, entry in enumerate(axes):
+        for name in axis_names_of(entry):
+            if name not in sizes:
+                fail(
+                    f"axis {name!r} is not a mesh axis; the mesh axes are "
+                    f"{tuple(device_mesh.axis_names)}"
+                )
+            if name in used:
+                fail(
+                    f"axis {name!r} shards both dimension {used[name]} and "
+                    f"dimension {dim}; a mesh axis may shard one dimension"
+                )
+            used[name] = dim
+    if shape is None:
+        return
+    for dim, entry in enumerate(axes):
+        names = axis_names_of(entry)
+        parts = math.prod(sizes[name] for name in names)
+        if names and shape[dim] % parts:
+            fail(
+                f"dimension {dim} of size {shape[dim]} is not divisible by "
+                f"{parts}, the size of mesh axis "
+                f"{' x '.join(repr(n) for n in names)}"
+            )
+
+
+def matching_keys(layout_map, path):
+    """Returns the keys of `layout_map` that `LayoutMap` would use for `path`.
+
+    An exact key wins; otherwise every key that `re.fullmatch`es the path.
+    (`path in layout_map` cannot tell: `LayoutMap` lookup never raises
+    `KeyError`.)
+    """
+    keys = list(layout_map)
+    if path in keys:
+        return [path]
+    return [key for key in keys if re.fullmatch(key, path)]
+
+
+def resolve_layout(layout_map, path, shape=None, kind="variable"):
+    """Returns the axes `LayoutMap` lookup gives `path`, or `None`.
+
+    Raises:
+        ValueError: when several keys match, naming them and their axes.
+    """
+    keys = matching_keys(layout_map, path)
+    if len(keys) > 1:
+        shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
+        matches = ", ".join(
+            f"{key!r} -> {normalize_axes(layout_map[key])}" for key in keys
+        )
+        raise ValueError(
+            f"Conflicting layout keys for {kind} '{path}'{shape_text} on "
+            f"mesh {_mesh_text(layout_map.device_mesh)}: it matches "
+            f"{matches}. Each path may match at most one key."
+        )
+    if not keys:
+        return None
+    return normalize_axes(layout_map[keys[0]])
+
+
+def check_layouts(model, layout_map):
+    """Checks every variable and layer output of a model against a map.
+
+    This runs the checks variable creation would run, and the ones it
+    would miss, before any memory is touched: every variable path must
+    match at most one key, and its layout must fit its shape on the mesh
+    (see `check_layout`). Layer output keys are checked for ambiguity and
+    axis names.
+
+    Args:
+        model: a built or abstract Keras model, or a dict from variable
+            path to shape (see `variable_shapes`).
+        layout_map: the `LayoutMap`.
+
+    Returns:
+        A dict from variable path to its resolved axes (`None` where the
+        variable is replicated).
+
+    Raises:
+        ValueError: naming the variable path, shape, axes, mesh and
+            offending axis.
+    """
+    device_mesh = layout_map.device_mesh
+    resolved = {}
+    for path, shape in variable_shapes(model).items():
+        axes = resolve_layout(layout_map, path, shape)
+        if axes is not None:
+            check_layout(path, shape, axes, device_mesh)
+        resolved[path] = axes
+    for path in layer_output_paths(model):
+        axes = resolve_layout(layout_map, path, kind="tensor")
+        if axes is not None:
+            check_layout(path, None, axes, device_mesh, kind="tensor")
+    for key in layout_map:
+        check_layout(key, None, layout_map[key], device_mesh, kind="tensor")
+    return resolved
+
+
+def build_layout_map(device_mesh, entries):
+    """Builds a `LayoutMap` from a dict of keys to layout axes.
+
+    Args:
+        device_mesh: the `DeviceMesh` of the map.
+        entries: dict from key (variable path, `<layer path>/output` or a
+            regex) to axes or `TensorLayout`.
+
+    Returns:
+        A `LayoutMap`.
+    """
+    layout_map = LayoutMap(device_mesh)
+    for key, axes in entries.items():
+        axes = normalize_axes(axes)
+        check_layout(key, None, axes, device_mesh, kind="tensor")
+        layout_map[key] = tensor_layout(axes, device_mesh)
+    return layout_map
+
+
+def tensor_layout(axes, device_mesh):
+    """Returns a `TensorLayout`, allowing dimensions over several axes.
+
+    Outside the torch backend, `TensorLayout` in keras 3.15 validates each
+    entry as a single axis name, though JAX's `PartitionSpec` accepts a
+    tuple of names. The axes here have been checked by `check_layout`, so
+    the mesh is attached without that validation.
+    """
+    axes = normalize_axes(axes)
+    if not any(isinstance(entry, tuple) for entry in axes):
+        return TensorLayout(axes, device_mesh)
+    layout = TensorLayout(axes)
+    layout._device_mesh = device_mesh
+    return layout
+
+
+def layout_map_axes(layout_map):
+    """Returns a plain dict from each key of a `LayoutMap` to its axes."""
+    return {key: normalize_axes(layout_map[key]) for key in layout_map}
+
+
+def refines(axes, other):
+    """Whether `axes` keeps every sharding of `other` and may add more.
+
+    Each dimension of `other` must be sharded over a prefix of the mesh
+    axes of the same dimension of `axes`: axes added later are minor.
+    """
+    axes, other = normalize_axes(axes), normalize_axes(other)
+    if len(axes) != len(other):
+        return False
+    for entry, other_entry in zip(axes, other):
+        names, other_names = axis_names_of(entry), axis_names_of(other_entry)
+        if names[: len(other_names)] != other_names:
+            return False
+    return True
+
+
+def merge_layouts(model, *layout_maps):
+    """Merges `LayoutMap`s into one, checking every variable of a model.
+
+    Maps made by the layout helpers (`tensor_parallel_layouts`,
+    `fully_sharded_layouts`) and by hand compose here. Where several maps
+    give a variable or key a layout, the layouts must agree, or one must
+    refine the others (keep their axes, adding minor ones, as
+    `fully_sharded_layouts` does on top of a tensor-parallel map): the
+    refined layout wins. Each variable of `model` gets an exact key in the
+    result, so regex keys of different maps cannot collide on it.
+
+    Example:
+
+    ```python
+    layout_map = merge_layouts(
+        model,
+        tensor_parallel_layouts(model, mesh, plan),
+        fully_sharded_layouts(model, mesh, "fsdp"),
+    )
+    ```
+
+    Args:
+        model: a built or abstract Keras model, or a dict from variable
+            path to shape (see `variable_shapes`).
+        *layout_maps: `LayoutMap`s on the same mesh.
+
+    Returns:
+        A new `LayoutMap`.
+
+    Raises:
+        ValueError: on different meshes, on a key or variable with
+            conflicting layouts, an axis used twice or an indivisible
+            dimension, naming the variable path, shape and axes.
+    """
+    if not layout_maps:
+        raise ValueError("`merge_layouts` needs at least one LayoutMap.")
+    device_mesh = layout_maps[0].device_mesh
+    for layout_map in layout_maps[1:]:
+        if not same_mesh(layout_map.device_mesh, device_mesh):
+            raise ValueError(
+                "All LayoutMaps must use the same mesh. Received meshes "
+                f"{_mesh_text(device_mesh)} and "
+                f"{_mesh_text(layout_map.device_mesh)}."
+            )
+    entries = {}
+    for layout_map in layout_maps:
+        for key in layout_map:
+            entries[key] = _merged_axes(
+                key,
+                None,
+                entries.get(key),
+                normalize_axes(layout_map[key]),
+                device_mesh,
+                kind="tensor",
+            )
+    for path, shape in variable_shapes(model).items():
+        merged = None
+        for layout_map in layout_maps:
+            axes = resolve_layout(layout_map, path, shape)
+            if axes is not None:
+                check_layout(path, shape, axes, device_mesh)
+                merged = _merged_axes(path, shape, merged, axes, device_mesh)
+        if merged is not None:
+            entries[path] = merged
+    result = build_layout_map(device_mesh, entries)
+    check_layouts(model, result)
+    return result
+
+
+def same_mesh(mesh, other):
+    """Whether two `DeviceMesh`es have the same shape, axes and devices."""
+    if mesh is other:
+        return True
+    if mesh is None or other is None:
+        return False
+    return (
+        tuple(mesh.shape) == tuple(other.shape)
+        and tuple(mesh.axis_names) == tuple(other.axis_names)
+        and np.array_equal(
+            np.asarray(mesh.devices, dtype=str),
+            np.asarray(other.devices, dtype=str),
+        )
+    )
+
+
+def _merged_axes(path, shape, axes, other, device_mesh, kind="variable"):
+    """Returns the layout that agrees with both, or raises."""
+    if axes is None or axes == other or refines(other, axes):
+        return other
+    if refines(axes, other):
+        return axes
+    shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
+    raise ValueError(
+        f"Conflicting layouts for {kind} '{path}'{shape_text} on mesh "
+        f"{_mesh_text(device_mesh)}: layout axes {axes} and {other}. "
+        "Neither keeps the other's axes, so they cannot be merged."
+    )
+
+
+def _mesh_text(device_mesh):
+    if device_mesh is None:
+        return "None"
+    shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
+    return f"DeviceMesh({shape})"
