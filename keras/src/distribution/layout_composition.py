@@ -122,14 +122,41 @@ def layer_output_paths(model):
     Returns:
         A list of keys, in layer order.
     """
+    return [f"{layer_path(layer)}/output" for layer in called_layers(model)]
+
+
+def called_layers(model):
+    """Returns the layers of a model that have a path, the model included.
+
+    Args:
+        model: a Keras layer or model; anything else has no layers.
+
+    Returns:
+        A list of layers.
+    """
     flatten = getattr(model, "_flatten_layers", None)
     if flatten is None:
         return []
     return [
-        f"{layer.path}/output"
+        layer
         for layer in flatten(include_self=True, recursive=True)
-        if layer.path
+        if layer_path(layer)
     ]
+
+
+def layer_path(layer):
+    """Returns the path a layer is called under, or `None` before a call.
+
+    This is the path its variables and its `<path>/output` key start with.
+    Layers without variables are never built, so their path is read from
+    the name scope they were first called in.
+    """
+    if layer.path:
+        return layer.path
+    parent = getattr(layer, "_parent_path", None)
+    if parent is None:
+        return None
+    return f"{parent}/{layer.name}" if parent else layer.name
 
 
 def normalize_axes(axes):

@@ -30,9 +30,12 @@ import functools
 import re
 
 from keras.src.distribution import layout_composition
+from keras.src.distribution.layout_composition import layer_path
 from keras.src.layers.core.dense import Dense
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.core.embedding import Embedding
+from keras.src.layers.core.input_layer import InputLayer
+from keras.src.layers.layer import Layer
 
 # The letters of an `EinsumDense` equation.
 _EinsumSpec = collections.namedtuple(
@@ -140,29 +143,27 @@ def tensor_parallel_layouts(model, device_mesh, plan, *, batch_dim_name=None):
     """
     if batch_dim_name is None:
         batch_dim_name = device_mesh.axis_names[0]
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if layer.path
-    ]
+    layers = {
+        layer_path(layer): layer
+        for layer in layout_composition.called_layers(model)
+    }
     claimed = {}
     entries = {}
     for pattern, style in plan.items():
-        matched = [
-            layer for layer in layers if re.fullmatch(pattern, layer.path)
-        ]
+        matched = [path for path in layers if re.fullmatch(pattern, path)]
         if not matched:
             raise ValueError(
                 f"The plan key {pattern!r} matches no layer of the model. "
-                f"Layer paths: {[layer.path for layer in layers]}"
+                f"Layer paths: {list(layers)}"
             )
-        for layer in matched:
-            if layer.path in claimed:
+        for path in matched:
+            if path in claimed:
                 raise ValueError(
-                    f"Layer '{layer.path}' matches two plan keys: "
-                    f"{claimed[layer.path]!r} and {pattern!r}."
+                    f"Layer '{path}' matches two plan keys: "
+                    f"{claimed[path]!r} and {pattern!r}."
                 )
-            claimed[layer.path] = pattern
+            claimed[path] = pattern
+            layer = layers[path]
             for key, axes in style(layer, batch_dim_name).items():
                 axes = layout_composition.normalize_axes(axes)
                 if key in entries and entries[key] != axes:
@@ -208,7 +209,7 @@ def column_parallel_layouts(layer, batch_dim_name, axis, gather_output=False):
             entries,
             layer,
             output_rank,
-            _einsum_output_dim(spec, letter, output_rank),
+            _einsum_output_dim(spec, letter),
             None if gather_output else axis,
             batch,
         )
@@ -258,21 +259,23 @@ def row_parallel_layouts(layer, batch_dim_name, axis):
 
 def output_layouts(layer, batch_dim_name, axes):
     """The layouts of `prepare_output` for one layer (see there)."""
+    path = layer_path(layer)
     output_rank = _output_rank(layer)
     if output_rank is not None and len(axes) != output_rank:
         raise ValueError(
-            f"prepare_output({axes}) for layer '{layer.path}': the layer "
-            f"output has rank {output_rank}, but {len(axes)} axes were given."
+            f"prepare_output({axes}) for layer '{path}': the layer output "
+            f"has rank {output_rank}, but {len(axes)} axes were given."
         )
-    return {f"{layer.path}/output": axes}
+    return {f"{path}/output": axes}
 
 
 def input_layouts(layer, batch_dim_name, axes):
     """The layouts of `prepare_input` for one layer (see there)."""
+    path = layer_path(layer)
     nodes = getattr(layer, "_inbound_nodes", None)
     if not nodes:
         raise ValueError(
-            f"prepare_input for layer '{layer.path}': the layer has no "
+            f"prepare_input for layer '{path}': the layer has no "
             "recorded inputs. Input layouts can be set in functional "
             "models only; use prepare_output on the layer that produces "
             "the input instead."
@@ -281,24 +284,22 @@ def input_layouts(layer, batch_dim_name, axes):
     for node in nodes:
         for tensor in node.arguments.keras_tensors:
             producer = tensor._keras_history.operation
-            if (
-                not getattr(producer, "_inbound_nodes", None)
-                or not getattr(producer, "path", None)
-                or type(producer).__name__ == "InputLayer"
+            if not isinstance(producer, Layer) or isinstance(
+                producer, InputLayer
             ):
                 raise ValueError(
-                    f"prepare_input for layer '{layer.path}': its input "
+                    f"prepare_input for layer '{path}': its input "
                     f"comes from '{producer.name}', a model input or an "
                     "operation that is not a layer, whose layout cannot be "
                     "set. Model inputs take the distribution's data layout."
                 )
             if len(tensor.shape) != len(axes):
                 raise ValueError(
-                    f"prepare_input({axes}) for layer '{layer.path}': the "
-                    f"input from '{producer.path}' has rank "
+                    f"prepare_input({axes}) for layer '{path}': the input "
+                    f"from '{layer_path(producer)}' has rank "
                     f"{len(tensor.shape)}, but {len(axes)} axes were given."
                 )
-            entries[f"{producer.path}/output"] = axes
+            entries[f"{layer_path(producer)}/output"] = axes
     return entries
 
 
@@ -315,7 +316,7 @@ def _with_output(entries, layer, output_rank, dim, entry, batch):
         axes[dim] = entry
     if axes[0] is None:
         axes[0] = batch
-    entries[f"{layer.path}/output"] = tuple(axes)
+    entries[f"{layer_path(layer)}/output"] = tuple(axes)
     return entries
 
 
@@ -330,8 +331,8 @@ def _variable_path(layer, name):
         if variable.name == name:
             return variable.path
     raise ValueError(
-        f"Layer '{layer.path}' ({type(layer).__name__}) has no variable "
-        f"named '{name}'. Build the layer before applying the plan."
+        f"Layer '{layer_path(layer)}' ({type(layer).__name__}) has no "
+        f"variable named '{name}'. Build the layer before applying the plan."
     )
 
 
@@ -339,12 +340,12 @@ def _check_dense(layer, style_name):
     if not isinstance(layer, Dense):
         raise ValueError(
             f"{style_name} supports Dense, EinsumDense and Embedding layers. "
-            f"Layer '{layer.path}' is a {type(layer).__name__}."
+            f"Layer '{layer_path(layer)}' is a {type(layer).__name__}."
         )
     if getattr(layer, "quantization_mode", None) is not None:
         raise ValueError(
             f"{style_name} does not support quantized layers. Layer "
-            f"'{layer.path}' is quantized ({layer.quantization_mode})."
+            f"'{layer_path(layer)}' is quantized ({layer.quantization_mode})."
         )
 
 
@@ -386,7 +387,7 @@ def _kernel_axes(spec, letter, axis):
     return tuple(axis if c == letter else None for c in spec.kernel)
 
 
-def _einsum_output_dim(spec, letter, output_rank):
+def _einsum_output_dim(spec, letter):
     """The output dimension of `letter`, counted from the end if elided."""
     index = spec.output.index(letter)
     if spec.output_left_elided:
@@ -410,6 +411,6 @@ def _einsum_bias_axes(layer, spec, letter, axis):
 
 def _einsum_error(layer, problem):
     return (
-        f"Cannot split EinsumDense layer '{layer.path}' with equation "
+        f"Cannot split EinsumDense layer '{layer_path(layer)}' with equation "
         f"'{layer.equation}': it has {problem}."
     )
