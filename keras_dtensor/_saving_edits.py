@@ -2,8 +2,268 @@
 
 Like `keras_dtensor._edits`, each edit is one small function applied to an
 upstream module after it executes, only under the torch backend; this
-module imports neither torch nor keras at module level.
+module imports neither torch nor keras at module level. The edits act only
+while a distribution is set, so plain keras saves exactly as upstream.
+
+One mechanism serves every save path: the save runs on every process (all
+of them take part in gathering sharded values), process 0 writes into a
+staging folder and renames the result into place, and the other processes
+wait for it (`keras.src.saving.distributed_saving`).
 """
 
+import functools
+import json
+import os
+
+
+def _is_torch_backend():
+    from keras.src.backend.config import backend
+
+    return backend() == "torch"
+
+
+def _distribution_is_set():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("distribution") is not None
+
+
+def _distributed_saving():
+    from keras.src.saving import distributed_saving
+
+    return distributed_saving
+
+
+def edit_saving_api_save(saving_api):
+    """Under a distribution, `save_model` and `save_weights` write from
+    process 0, atomically.
+
+    Stands for: in `keras/src/saving/saving_api.py`, when a distribution is
+    set, `save_model` and `save_weights` run their body through
+    `distributed_saving.save_from_process_zero`.
+    """
+    if not _is_torch_backend():
+        return
+    upstream_save_model = saving_api.save_model
+    upstream_save_weights = saving_api.save_weights
+
+    @functools.wraps(upstream_save_model)
+    def save_model(model, filepath, overwrite=True, zipped=None, **kwargs):
+        if not _distribution_is_set():
+            return upstream_save_model(
+                model, filepath, overwrite=overwrite, zipped=zipped, **kwargs
+            )
+        if zipped is None:
+            zipped = not str(filepath).startswith("hf://")
+        return _distributed_saving().save_from_process_zero(
+            lambda path: upstream_save_model(
+                model, path, overwrite=True, zipped=zipped, **kwargs
+            ),
+            filepath,
+            "save_model",
+            overwrite=overwrite,
+        )
+
+    @functools.wraps(upstream_save_weights)
+    def save_weights(
+        model, filepath, overwrite=True, max_shard_size=None, **kwargs
+    ):
+        if not _distribution_is_set():
+            return upstream_save_weights(
+                model,
+                filepath,
+                overwrite=overwrite,
+                max_shard_size=max_shard_size,
+                **kwargs,
+            )
+        return _distributed_saving().save_from_process_zero(
+            lambda path: upstream_save_weights(
+                model,
+                path,
+                overwrite=True,
+                max_shard_size=max_shard_size,
+                **kwargs,
+            ),
+            filepath,
+            "save_weights",
+            overwrite=overwrite,
+        )
+
+    saving_api.save_model = save_model
+    saving_api.save_weights = save_weights
+
+
+def edit_saving_api_load(saving_api):
+    """Under a multi-process distribution, `load_model` and `load_weights`
+    check that every process calls them.
+
+    Loading creates or assigns sharded variables on every process; a load
+    on one process alone would hang or leave processes out of step. Stands
+    for: in `keras/src/saving/saving_api.py`, `load_model` and
+    `load_weights` start with `distributed_saving.check_every_process_calls`
+    and `restore_interrupted_replace` (for folder saves) when a
+    distribution is set.
+    """
+    if not _is_torch_backend():
+        return
+    upstream_load_model = saving_api.load_model
+    upstream_load_weights = saving_api.load_weights
+
+    def prepare(operation, filepath):
+        if not _distribution_is_set():
+            return
+        distributed_saving = _distributed_saving()
+        distributed_saving.check_every_process_calls(operation, filepath)
+        if distributed_saving.needs_restore(filepath):
+            distributed_saving.run_on_process_zero(
+                lambda: distributed_saving.restore_interrupted_replace(
+                    str(filepath)
+                ),
+                operation,
+                filepath,
+            )
+
+    @functools.wraps(upstream_load_model)
+    def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+        prepare("load_model", filepath)
+        return upstream_load_model(
+            filepath,
+            custom_objects=custom_objects,
+            compile=compile,
+            safe_mode=safe_mode,
+        )
+
+    @functools.wraps(upstream_load_weights)
+    def load_weights(model, filepath, skip_mismatch=False, **kwargs):
+        prepare("load_weights", filepath)
+        return upstream_load_weights(
+            model, filepath, skip_mismatch=skip_mismatch, **kwargs
+        )
+
+    saving_api.load_model = load_model
+    saving_api.load_weights = load_weights
+
+
+def edit_file_utils_makedirs(file_utils):
+    """`file_utils.makedirs` accepts a folder another process just created.
+
+    Callbacks such as `ModelCheckpoint` check that a folder is missing, then
+    create it; processes doing so together race. Stands for: in
+    `keras/src/utils/file_utils.py`, `makedirs` calls
+    `os.makedirs(path, exist_ok=True)` for local paths.
+    """
+    if not _is_torch_backend():
+        return
+    upstream_makedirs = file_utils.makedirs
+
+    def makedirs(path):
+        if _distribution_is_set() and not file_utils.is_remote_path(path):
+            return os.makedirs(path, exist_ok=True)
+        return upstream_makedirs(path)
+
+    file_utils.makedirs = makedirs
+
+
+def edit_backup_and_restore(module):
+    """`BackupAndRestore` changes its files from process 0 only, atomically.
+
+    Stands for: in `keras/src/callbacks/backup_and_restore.py`, under a
+    distribution, the metadata is written with
+    `distributed_saving.save_from_process_zero`, and the folder creation,
+    the copies of `double_checkpoint` and the deletion at the end of
+    training run through `distributed_saving.run_on_process_zero`.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.utils import file_utils
+
+    backup_and_restore = module.BackupAndRestore
+    upstream_on_train_begin = backup_and_restore.on_train_begin
+    upstream_save_model = backup_and_restore._save_model
+    upstream_on_train_end = backup_and_restore.on_train_end
+
+    def keep_previous_backup(self):
+        os.makedirs(self.backup_dir, exist_ok=True)
+        if not self.double_checkpoint:
+            return
+        saving = _distributed_saving()
+        for current, previous in (
+            (self._weights_path, self._prev_weights_path),
+            (self._training_metadata_path, self._prev_training_metadata_path),
+        ):
+            if file_utils.exists(current):
+                saving.copy_file(current, previous)
+
+    def restore_previous_backup(self):
+        saving = _distributed_saving()
+        saving.copy_file(self._prev_weights_path, self._weights_path)
+        if file_utils.exists(self._prev_training_metadata_path):
+            saving.copy_file(
+                self._prev_training_metadata_path,
+                self._training_metadata_path,
+            )
+        elif file_utils.exists(self._training_metadata_path):
+            file_utils.remove(self._training_metadata_path)
+
+    def delete_backup(self):
+        if file_utils.exists(self.backup_dir):
+            file_utils.rmtree(self.backup_dir)
+
+    def on_train_begin(self, logs=None):
+        if not _distribution_is_set():
+            return upstream_on_train_begin(self, logs)
+        try:
+            self._load_model()
+        except OSError:
+            if not file_utils.exists(self._prev_weights_path):
+                raise
+            _distributed_saving().run_on_process_zero(
+                lambda: restore_previous_backup(self),
+                "BackupAndRestore.restore",
+                self.backup_dir,
+            )
+            self._load_model()
+
+    def _save_model(self):
+        if not _distribution_is_set():
+            return upstream_save_model(self)
+        saving = _distributed_saving()
+        saving.run_on_process_zero(
+            lambda: keep_previous_backup(self),
+            "BackupAndRestore.prepare",
+            self.backup_dir,
+        )
+        self.model.save_weights(filepath=self._weights_path, overwrite=True)
+        metadata = json.dumps(
+            {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        )
+        saving.save_from_process_zero(
+            lambda path: saving.write_text(path, metadata),
+            self._training_metadata_path,
+            "BackupAndRestore.metadata",
+        )
+
+    def on_train_end(self, logs=None):
+        if not _distribution_is_set():
+            return upstream_on_train_end(self, logs)
+        if self.delete_checkpoint:
+            _distributed_saving().run_on_process_zero(
+                lambda: delete_backup(self),
+                "BackupAndRestore.delete",
+                self.backup_dir,
+            )
+
+    backup_and_restore.on_train_begin = on_train_begin
+    backup_and_restore._save_model = _save_model
+    backup_and_restore.on_train_end = on_train_end
+
+
 # Upstream module name -> function returning the edits for that module.
-POST_IMPORT_EDITS = {}
+POST_IMPORT_EDITS = {
+    "keras.src.saving.saving_api": lambda: [
+        edit_saving_api_save,
+        edit_saving_api_load,
+    ],
+    "keras.src.utils.file_utils": lambda: [edit_file_utils_makedirs],
+    "keras.src.callbacks.backup_and_restore": lambda: [edit_backup_and_restore],
+}

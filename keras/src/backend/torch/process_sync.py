@@ -1,0 +1,244 @@
+"""Coordination of processes for saving and loading with the torch backend.
+
+Saving and loading a distributed model are SPMD operations: every process
+calls them, in the same order. The helpers here check that through the
+`torch.distributed` store, with a bounded wait, and let process 0 tell the
+other processes how the part of the work that only it does (writing a
+file) ended. They issue no collectives: a process that calls a save alone
+gets a clear error instead of a hang, and the process group stays usable.
+"""
+
+import datetime
+import os
+import uuid
+
+import torch.distributed as dist
+
+from keras.src.backend.common import global_state
+from keras.src.backend.torch import distribution_lib
+
+SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
+DEFAULT_SYNC_TIMEOUT_SECONDS = 60
+_KEY_PREFIX = "keras_io"
+
+# The number of coordinated calls made by this process so far, and the
+# operation of the last one. Every process makes the same calls in the same
+# order, so equal counts name one call.
+_CALLS = {"count": 0, "previous_operation": None}
+
+
+class CollectiveCall:
+    """A save or load that every process has entered (see `enter`).
+
+    Attributes:
+        operation: the name of the call, e.g. `"save_model"`.
+        target: the file or folder it works on, for messages.
+        token: a random string chosen by process 0, equal on every process.
+    """
+
+    def __init__(self, key, operation, target, token):
+        self.key = key
+        self.operation = operation
+        self.target = target
+        self.token = token
+
+    def describe(self):
+        if self.target is None:
+            return f"`{self.operation}`"
+        return f"`{self.operation}` of '{self.target}'"
+
+
+def is_multi_process():
+    """Returns whether the default process group has several processes."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
+def is_multi_process_distribution():
+    """Returns whether a distribution is set and spans several processes."""
+    distribution = global_state.get_global_attribute("distribution")
+    return distribution is not None and is_multi_process()
+
+
+def process_id():
+    """Returns the rank of this process (0 without a process group)."""
+    return distribution_lib.process_id()
+
+
+def sync_timeout():
+    """Returns how long a process waits for the others to enter a call.
+
+    Read from `KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS` (default 60 seconds),
+    and never longer than the process group timeout.
+    """
+    seconds = float(
+        os.environ.get(SYNC_TIMEOUT_ENV_VAR, DEFAULT_SYNC_TIMEOUT_SECONDS)
+    )
+    return min(datetime.timedelta(seconds=seconds), distribution_lib._timeout())
+
+
+def enter(operation, target=None):
+    """Waits until every process has entered the same call.
+
+    Every process states that it entered `operation`; the call returns once
+    all have, or raises after `sync_timeout()` naming the processes that did
+    not, or that entered another operation. Nothing else is communicated,
+    so a failed call leaves the process group usable.
+
+    Args:
+        operation: the name of the call, e.g. `"save_model"`. Every process
+            must enter the same operation.
+        target: the file or folder of the call, named in error messages.
+
+    Returns:
+        A `CollectiveCall`.
+
+    Raises:
+        RuntimeError: on every process that entered, if some process did
+            not enter `operation` within the timeout.
+    """
+    store = _store()
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    index = _CALLS["count"]
+    _CALLS["count"] += 1
+    key = _call_key(index)
+    token = uuid.uuid4().hex if rank == 0 else ""
+    store.set(f"{key}/entered/{rank}", f"{operation}|{token}")
+    # Counting per operation: processes in different calls never complete.
+    if store.add(f"{key}/count/{operation}", 1) == world_size:
+        store.set(f"{key}/all/{operation}", "1")
+    timeout = sync_timeout()
+    try:
+        store.wait([f"{key}/all/{operation}"], timeout)
+    except dist.DistStoreError:
+        call = CollectiveCall(key, operation, target, token)
+        raise RuntimeError(
+            _not_entered_message(store, call, rank, world_size, timeout)
+        ) from None
+    token = store.get(f"{key}/entered/0").decode().rpartition("|")[2]
+    _delete_call_keys(store, index - 1, rank)
+    _CALLS["previous_operation"] = operation
+    return CollectiveCall(key, operation, target, token)
+
+
+def share_outcome(call, error=None):
+    """Tells the other processes how process 0's part of `call` ended.
+
+    Args:
+        call: the `CollectiveCall` returned by `enter`.
+        error: the exception process 0 raised, or `None` on success.
+    """
+    message = "" if error is None else f"{type(error).__name__}: {error}"
+    _store().set(f"{call.key}/outcome", f"|{message}")
+
+
+def wait_for_outcome(call):
+    """Waits for process 0's part of `call`; raises if it failed.
+
+    Args:
+        call: the `CollectiveCall` returned by `enter`.
+
+    Raises:
+        RuntimeError: if process 0 failed, or did not finish within the
+            process group timeout.
+    """
+    store = _store()
+    timeout = distribution_lib._timeout()
+    try:
+        store.wait([f"{call.key}/outcome"], timeout)
+    except dist.DistStoreError:
+        raise RuntimeError(
+            f"Process 0 did not finish {call.describe()} within "
+            f"{timeout.total_seconds():g} seconds."
+        ) from None
+    message = store.get(f"{call.key}/outcome").decode()[1:]
+    if message:
+        raise RuntimeError(f"Process 0 failed in {call.describe()}: {message}")
+
+
+def run_on_process_zero(fn, operation, target=None):
+    """Runs `fn` on process 0 only; every process returns once it is done.
+
+    Without several processes, this just calls `fn`.
+
+    Args:
+        fn: a function without arguments, e.g. one that writes a file.
+        operation: the name of the call (see `enter`).
+        target: the file or folder `fn` works on, for messages.
+
+    Returns:
+        What `fn` returned on process 0; `None` on other processes.
+    """
+    if not is_multi_process():
+        return fn()
+    call = enter(operation, target)
+    if process_id() != 0:
+        wait_for_outcome(call)
+        return None
+    try:
+        result = fn()
+    except BaseException as error:
+        share_outcome(call, error)
+        raise
+    share_outcome(call)
+    return result
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _call_key(index):
+    # Workers restarted by torchrun get new stores; the restart count keeps
+    # keys apart should a store outlive a restart.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{_KEY_PREFIX}/{restart}/{index}"
+
+
+def _not_entered_message(store, call, rank, world_size, timeout):
+    entered = {}
+    for r in range(world_size):
+        if store.check([f"{call.key}/entered/{r}"]):
+            value = store.get(f"{call.key}/entered/{r}").decode()
+            entered[r] = value.rpartition("|")[0]
+    others = {r: op for r, op in entered.items() if op != call.operation}
+    missing = [r for r in range(world_size) if r not in entered]
+    message = f"{call.describe()} was called on process {rank}, but "
+    parts = []
+    if missing:
+        parts.append(f"process(es) {missing} did not call it")
+    if others:
+        calls = ", ".join(
+            f"process {r} called `{op}`" for r, op in others.items()
+        )
+        parts.append(calls)
+    message += " and ".join(parts)
+    message += (
+        f" within {timeout.total_seconds():g} seconds. Under a multi-process "
+        "distribution, call saving and loading functions on every process, "
+        "in the same order, as SPMD code does (remove any "
+        "`if process_id == 0:` guard): every process takes part in "
+        "gathering and scattering sharded values, and only process 0 writes "
+        f"files. The wait is set by {SYNC_TIMEOUT_ENV_VAR}."
+    )
+    return message
+
+
+def _delete_call_keys(store, index, rank):
+    """Deletes the keys of call `index`, which every process has left.
+
+    Every process entered the call after `index`, so all of them are done
+    waiting on the keys of `index`.
+    """
+    if index < 0:
+        return
+    key = _call_key(index)
+    store.delete_key(f"{key}/entered/{rank}")
+    operation = _CALLS["previous_operation"]
+    if rank == 0 and operation is not None:
+        for name in (f"count/{operation}", f"all/{operation}", "outcome"):
+            store.delete_key(f"{key}/{name}")
