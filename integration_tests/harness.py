@@ -30,7 +30,9 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(worker, nprocs, tmp_path, args=(), timeout=240, env=None):
+def launch(
+    worker, nprocs, tmp_path, args=(), timeout=240, env=None, torchrun_args=()
+):
     """Runs `workers/<worker>` on `nprocs` gloo processes.
 
     Args:
@@ -40,6 +42,7 @@ def launch(worker, nprocs, tmp_path, args=(), timeout=240, env=None):
         args: extra command-line arguments for the worker.
         timeout: hard limit in seconds for the whole launch.
         env: extra environment variables.
+        torchrun_args: extra torchrun options, e.g. `["--max-restarts=1"]`.
 
     Returns:
         A list with one dict per rank: what that rank passed to `report`.
@@ -54,6 +57,7 @@ def launch(worker, nprocs, tmp_path, args=(), timeout=240, env=None):
         "--nnodes=1",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
+        *torchrun_args,
         os.path.join(WORKERS_DIR, worker),
         *[str(a) for a in args],
     ]
