@@ -15,6 +15,10 @@ PUBLIC_NAMES = {
     "check_layouts": "keras.src.distribution.layout_composition",
     "make_device_mesh": "keras.src.distribution.layout_composition",
     "layout_map_axes": "keras.src.distribution.layout_composition",
+    # Sharded checkpoints.
+    "save_checkpoint": "keras.src.backend.torch.distributed_checkpoint",
+    "load_checkpoint": "keras.src.backend.torch.distributed_checkpoint",
+    "checkpoint_variables": "keras.src.backend.torch.distributed_checkpoint",
 }
 
 
