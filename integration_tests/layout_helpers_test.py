@@ -32,6 +32,27 @@ DISTRIBUTION_DIR = os.path.join(
     "distribution",
 )
 HELPER_MODULES = ("tensor_parallel", "fully_sharded", "layout_composition")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README_EPILOGUE = """
+import worker_utils
+
+worker_utils.record("losses", model.history.history["loss"])
+worker_utils.record(
+    "layouts",
+    {
+        key: [list(a) if isinstance(a, tuple) else a for a in axes]
+        for key, axes in kd.layout_map_axes(layout_map).items()
+    },
+)
+for variable in model.weights:
+    local = variable.value.to_local()
+    worker_utils.record(f"local_shape/{variable.path}", list(local.shape))
+    worker_utils.record(
+        f"placements/{variable.path}",
+        [str(p) for p in variable.value.placements],
+    )
+worker_utils.report()
+"""
 
 
 def load_worker():
@@ -286,3 +307,49 @@ def test_same_helper_calls_on_jax(single_process_layouts, worker):
     assert keras.backend.backend() == "torch"
     torch_losses = worker.numpy_weight_losses()
     np.testing.assert_allclose(result["losses"], torch_losses, rtol=1e-5)
+
+
+def readme_example():
+    """The first Python block of the "## Layout helpers" README section."""
+    for name in ("README.md", "README_layout_helpers.md"):
+        path = os.path.join(ROOT, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        if "## Layout helpers" not in text:
+            continue
+        section = text.split("## Layout helpers", 1)[1].split("\n## ", 1)[0]
+        return section.split("```python\n", 1)[1].split("```", 1)[0]
+    pytest.fail("No '## Layout helpers' section in the README.")
+
+
+def test_readme_example_runs_as_written(tmp_path):
+    code = readme_example()
+    user_lines = [line for line in code.splitlines() if line.strip()]
+    assert len(user_lines) < 20
+    script = tmp_path / "readme_example.py"
+    script.write_text(code + README_EPILOGUE)
+    python_path = os.pathsep.join(
+        p for p in (harness.WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+    reports = harness.launch(
+        str(script), 2, tmp_path, timeout=240, env={"PYTHONPATH": python_path}
+    )
+    for report in reports:
+        # Two processes: a (1, 2) fsdp x model mesh.
+        assert report["losses"] == reports[0]["losses"]
+        assert len(report["losses"]) == 2
+        assert report["losses"][1] < report["losses"][0]
+        assert report["layouts"] == reports[0]["layouts"]
+        # "fsdp" has size 1 here, so only the plan shards.
+        layouts = report["layouts"]
+        for i in range(2):
+            assert layouts[f"ffn_{i}_in/kernel"] == [None, "model"]
+            assert layouts[f"ffn_{i}_out/kernel"] == ["model", None]
+            assert report[f"local_shape/ffn_{i}_in/kernel"] == [64, 128]
+            assert report[f"local_shape/ffn_{i}_out/kernel"] == [128, 64]
+            assert report[f"placements/ffn_{i}_in/kernel"] == ["R", "S(1)"]
+            assert report[f"placements/ffn_{i}_out/kernel"] == ["R", "S(0)"]
+        assert "head/kernel" not in layouts
+        assert report["placements/head/kernel"] == ["R", "R"]

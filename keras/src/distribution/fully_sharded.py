@@ -39,7 +39,8 @@ def fully_sharded_layouts(
     axis, only when its size divides by the product of all its axis
     sizes. Variables with fewer than `min_size` elements, variables with
     no suitable dimension, and variables left out by `include` or
-    `exclude` are not sharded over `axis`. Each decision is logged at
+    `exclude` are not sharded over `axis`; nothing is, when `axis` has
+    size 1. Each decision is logged at
     `INFO` level on this module's logger.
 
     Example:
@@ -144,6 +145,8 @@ def sharded_axes(path, shape, base, axis, sizes, min_size, include, exclude):
         return unchanged, "not sharded: an exclude pattern matches"
     if axis in used:
         return unchanged, f"kept: already sharded over {axis!r}"
+    if sizes[axis] == 1:
+        return unchanged, f"not sharded: mesh axis {axis!r} has size 1"
     size = math.prod(shape)
     if size < min_size:
         return unchanged, (

@@ -93,6 +93,16 @@ def test_layouts_for_shapes_and_meshes(mesh, shape, base, expected):
     assert layout_map_axes(result).get("w") == expected
 
 
+def test_axis_of_size_one_shards_nothing():
+    mesh = fake_mesh({"fsdp": 1, "model": 2})
+    base = LayoutMap(mesh)
+    base["w"] = (None, "model")
+    result = fs.fully_sharded_layouts(
+        {"w": (8, 8), "v": (8, 8)}, mesh, min_size=1, layout_map=base
+    )
+    assert layout_map_axes(result) == {"w": (None, "model")}
+
+
 def test_min_size_boundary():
     mesh = fake_mesh(FSDP_2)
     shapes = {"at": (16, 16), "below": (15, 17), "scalar": ()}
