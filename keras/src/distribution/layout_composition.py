@@ -384,20 +384,29 @@ def layout_map_axes(layout_map):
     return {key: normalize_axes(layout_map[key]) for key in layout_map}
 
 
-def refines(axes, other):
-    """Whether `axes` keeps every sharding of `other` and may add more.
+def combine_axes(axes, other):
+    """Returns a layout that keeps the shardings of both, or `None`.
 
-    Each dimension of `other` must be sharded over a prefix of the mesh
-    axes of the same dimension of `axes`: axes added later are minor.
+    Dimension by dimension, the mesh axes of one layout must be a prefix
+    of the other's (an axis added later is the minor one), and the longer
+    one is kept: `(None, "model")` and `("fsdp", None)` combine into
+    `("fsdp", "model")`, and `(None, "model")` and
+    `(None, ("model", "fsdp"))` into the latter. Layouts of different
+    ranks, or that split one dimension differently, do not combine.
     """
     axes, other = normalize_axes(axes), normalize_axes(other)
     if len(axes) != len(other):
-        return False
+        return None
+    combined = []
     for entry, other_entry in zip(axes, other):
         names, other_names = axis_names_of(entry), axis_names_of(other_entry)
+        if len(names) < len(other_names):
+            names, other_names = other_names, names
+            entry = other_entry
         if names[: len(other_names)] != other_names:
-            return False
-    return True
+            return None
+        combined.append(entry)
+    return tuple(combined)
 
 
 def merge_layouts(model, *layout_maps):
@@ -405,11 +414,13 @@ def merge_layouts(model, *layout_maps):
 
     Maps made by the layout helpers (`tensor_parallel_layouts`,
     `fully_sharded_layouts`) and by hand compose here. Where several maps
-    give a variable or key a layout, the layouts must agree, or one must
-    refine the others (keep their axes, adding minor ones, as
-    `fully_sharded_layouts` does on top of a tensor-parallel map): the
-    refined layout wins. Each variable of `model` gets an exact key in the
-    result, so regex keys of different maps cannot collide on it.
+    give a variable or key a layout, the layouts are combined dimension
+    by dimension (see `combine_axes`): a dimension sharded in one map
+    only keeps that sharding, and where both shard it, one's mesh axes
+    must extend the other's with minor axes, as `fully_sharded_layouts`
+    does on top of a tensor-parallel map. Each variable of `model` gets an
+    exact key in the result, so regex keys of different maps cannot
+    collide on it. The result is checked like `check_layouts`.
 
     Example:
 
@@ -430,9 +441,10 @@ def merge_layouts(model, *layout_maps):
         A new `LayoutMap`.
 
     Raises:
-        ValueError: on different meshes, on a key or variable with
-            conflicting layouts, an axis used twice or an indivisible
-            dimension, naming the variable path, shape and axes.
+        ValueError: on different meshes, on a key or variable whose
+            layouts split a dimension differently, on an axis used twice
+            or an indivisible dimension, naming the variable path, shape
+            and axes.
     """
     if not layout_maps:
         raise ValueError("`merge_layouts` needs at least one LayoutMap.")
@@ -444,9 +456,22 @@ def merge_layouts(model, *layout_maps):
                 f"{_mesh_text(device_mesh)} and "
                 f"{_mesh_text(layout_map.device_mesh)}."
             )
+    shapes = variable_shapes(model)
     entries = {}
+    for path, shape in shapes.items():
+        merged = None
+        for layout_map in layout_maps:
+            axes = resolve_layout(layout_map, path, shape)
+            if axes is not None:
+                check_layout(path, shape, axes, device_mesh)
+                merged = _merged_axes(path, shape, merged, axes, device_mesh)
+        if merged is not None:
+            check_layout(path, shape, merged, device_mesh)
+            entries[path] = merged
     for layout_map in layout_maps:
         for key in layout_map:
+            if key in shapes:
+                continue
             entries[key] = _merged_axes(
                 key,
                 None,
@@ -455,15 +480,6 @@ def merge_layouts(model, *layout_maps):
                 device_mesh,
                 kind="tensor",
             )
-    for path, shape in variable_shapes(model).items():
-        merged = None
-        for layout_map in layout_maps:
-            axes = resolve_layout(layout_map, path, shape)
-            if axes is not None:
-                check_layout(path, shape, axes, device_mesh)
-                merged = _merged_axes(path, shape, merged, axes, device_mesh)
-        if merged is not None:
-            entries[path] = merged
     result = build_layout_map(device_mesh, entries)
     check_layouts(model, result)
     return result
@@ -486,16 +502,17 @@ def same_mesh(mesh, other):
 
 
 def _merged_axes(path, shape, axes, other, device_mesh, kind="variable"):
-    """Returns the layout that agrees with both, or raises."""
-    if axes is None or axes == other or refines(other, axes):
+    """Returns the combination of two layouts (see `combine_axes`)."""
+    if axes is None:
         return other
-    if refines(axes, other):
-        return axes
+    combined = combine_axes(axes, other)
+    if combined is not None:
+        return combined
     shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
     raise ValueError(
         f"Conflicting layouts for {kind} '{path}'{shape_text} on mesh "
-        f"{_mesh_text(device_mesh)}: layout axes {axes} and {other}. "
-        "Neither keeps the other's axes, so they cannot be merged."
+        f"{_mesh_text(device_mesh)}: layout axes {axes} and {other} split "
+        "a dimension differently, so they cannot be merged."
     )
 
 

@@ -244,17 +244,21 @@ def test_build_layout_map_and_layout_map_axes():
 @pytest.mark.parametrize(
     "axes, other, expected",
     [
-        ((None, "model"), (None, "model"), True),
-        (("fsdp", "model"), (None, "model"), True),
-        ((None, ("model", "fsdp")), (None, "model"), True),
-        ((None, ("fsdp", "model")), (None, "model"), False),
-        ((None, "model"), ("fsdp", "model"), False),
-        (("model", None), (None, "model"), False),
-        ((None,), (None, None), False),
+        ((None, "model"), (None, "model"), (None, "model")),
+        (("fsdp", "model"), (None, "model"), ("fsdp", "model")),
+        ((None, "model"), ("fsdp", None), ("fsdp", "model")),
+        ((None, "model"), (None, ("model", "fsdp")), (None, ("model", "fsdp"))),
+        ((None, ("model", "fsdp")), (None, "model"), (None, ("model", "fsdp"))),
+        ((None, ("fsdp", "model")), (None, "model"), None),
+        ((None, "fsdp"), (None, "model"), None),
+        ((None,), (None, None), None),
+        # Combining may use an axis twice: `check_layout` rejects that.
+        (("model", None), (None, "model"), ("model", "model")),
     ],
 )
-def test_refines(axes, other, expected):
-    assert lc.refines(axes, other) is expected
+def test_combine_axes(axes, other, expected):
+    assert lc.combine_axes(axes, other) == expected
+    assert lc.combine_axes(other, axes) == expected
 
 
 def test_merge_layouts_combines_and_refines():
@@ -289,18 +293,41 @@ def test_merge_layouts_identical_entries_are_fine():
     assert lc.layout_map_axes(merged) == {"up/kernel": (None, "model")}
 
 
+def test_merge_layouts_combines_disjoint_dimensions():
+    first = LayoutMap(MESH)
+    first["up/kernel"] = (None, "model")
+    second = LayoutMap(MESH)
+    second[".*/kernel"] = ("fsdp", None)
+    axes = lc.layout_map_axes(lc.merge_layouts(mlp(), first, second))
+    assert axes["up/kernel"] == ("fsdp", "model")
+    assert axes["down/kernel"] == ("fsdp", None)
+
+
 def test_merge_layouts_conflicting_variable():
     first = LayoutMap(MESH)
     first["up/kernel"] = (None, "model")
     second = LayoutMap(MESH)
-    second[".*/kernel"] = ("model", None)
+    second[".*/kernel"] = (None, "fsdp")
     with pytest.raises(ValueError) as error:
         lc.merge_layouts(mlp(), first, second)
     message = str(error.value)
     assert "Conflicting layouts for variable 'up/kernel'" in message
     assert "with shape (16, 32)" in message
-    assert "(None, 'model') and ('model', None)" in message
+    assert "(None, 'model') and (None, 'fsdp')" in message
     assert "DeviceMesh({'fsdp': 2, 'model': 4})" in message
+
+
+def test_merge_layouts_axis_used_twice_by_two_maps():
+    first = LayoutMap(MESH)
+    first["up/kernel"] = (None, "model")
+    second = LayoutMap(MESH)
+    second["up/kernel"] = ("model", None)
+    with pytest.raises(ValueError) as error:
+        lc.merge_layouts(mlp(), first, second)
+    message = str(error.value)
+    assert "variable 'up/kernel' with shape (16, 32)" in message
+    assert "layout axes ('model', 'model')" in message
+    assert "axis 'model' shards both dimension 0 and dimension 1" in message
 
 
 def test_merge_layouts_conflicting_key():
@@ -308,6 +335,10 @@ def test_merge_layouts_conflicting_key():
     first["up/output"] = ("fsdp", "model")
     second = LayoutMap(MESH)
     second["up/output"] = ("fsdp", None, "model")
+    with pytest.raises(ValueError, match="Conflicting layouts for tensor"):
+        lc.merge_layouts(mlp(), first, second)
+    second = LayoutMap(MESH)
+    second["up/output"] = (("model", "fsdp"), None)
     with pytest.raises(ValueError, match="Conflicting layouts for tensor"):
         lc.merge_layouts(mlp(), first, second)
 
