@@ -261,7 +261,7 @@ def test_combine_axes(axes, other, expected):
     assert lc.combine_axes(other, axes) == expected
 
 
-def test_merge_layouts_combines_and_refines():
+def test_merge_layouts_keeps_the_fully_sharded_refinement():
     tensor_parallel = LayoutMap(MESH)
     tensor_parallel["up/kernel"] = (None, "model")
     tensor_parallel["up/bias"] = ("model",)
