@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
+from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import tree
@@ -527,7 +528,7 @@ def _axes_to_placements(axes, device_mesh):
             split_factor = math.prod(
                 mesh_shape[d] for d in mesh_dims[:position] if d > mesh_dim
             )
-            if split_factor == 1:
+            if split_factor == 1 or mesh_shape[mesh_dim] == 1:
                 placements[mesh_dim] = Shard(tensor_dim)
             else:
                 placements[mesh_dim] = _StridedShard(
@@ -740,3 +741,28 @@ def _init_process_group(job_addresses, num_processes, process_id):
     else:
         backend = "gloo"
     dist.init_process_group(backend=backend, **kwargs)
+
+
+def _cpu_attention_backward_sharding(
+    grad_out, query, key, value, out, logsumexp, *args, **kwargs
+):
+    """Sharding rules of the CPU flash-attention backward.
+
+    DTensor has rules for the CUDA attention kernels but not for this one,
+    which `scaled_dot_product_attention` uses on CPU: like its CUDA
+    counterpart, it is replicated, or split by batch (dim 0) or by head
+    (dim 1), with every tensor split the same way.
+    """
+    non_tensors = [None] * len(args)
+    strategies = [([Replicate()] * 3, [Replicate()] * 6 + non_tensors)]
+    if kwargs.get("attn_mask") is None:
+        for dim in (0, 1):
+            strategies.append(
+                ([Shard(dim)] * 3, [Shard(dim)] * 6 + non_tensors)
+            )
+    return strategies
+
+
+register_sharding(
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+)(_cpu_attention_backward_sharding)
