@@ -1,0 +1,239 @@
+"""One cell of the benchmark table: a workload in a mode, Keras vs native.
+
+A cell builds the Keras model under the mode's `keras.distribution`, its
+native PyTorch twin with the same initial weights and PyTorch's own
+parallelism, checks that both compute the same first loss, then measures
+collectives per step, per-rank memory, and interleaved step times.
+"""
+
+import contextlib
+import gc
+import math
+
+import keras_models
+import measure
+import torch
+import torch.distributed as dist
+import torch_models
+import workloads
+
+import keras
+
+# Modes where each process trains on its own slice of the global batch.
+BATCH_SHARDED = ("dp", "2d", "fsdp")
+
+# Optimizer state tensors per parameter.
+SLOTS = {"sgd": 1, "adamw": 2}
+
+
+def device():
+    """This process's device: its CUDA device if there is one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def error_text(error):
+    """A one-line description of an exception for the table."""
+    message = str(error).strip().splitlines()
+    first = next((line for line in message if line.strip()), "")
+    return f"{type(error).__name__}: {first[:160]}"
+
+
+def batch_slice(mode, mesh, tensor):
+    """This process's part of a global batch under native parallelism."""
+    if mode not in BATCH_SHARDED:
+        return tensor
+    if mode == "2d":
+        parts, index = mesh.size(0), mesh.get_local_rank("batch")
+    else:
+        parts, index = dist.get_world_size(), dist.get_rank()
+    return tensor.chunk(parts, dim=0)[index]
+
+
+def batch_mean(value, mode):
+    """Mean of a per-process loss over the data-parallel processes."""
+    if mode not in BATCH_SHARDED or not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
+class KerasRunner:
+    """A compiled Keras model and its training step on one global batch."""
+
+    def __init__(self, workload, config, distribution, x, y, jit=False):
+        self.distribution = distribution
+        self.x, self.y = x, y
+        with self.scope():
+            self.model = keras_models.build_model(
+                workload, config, jit_compile=jit
+            )
+
+    def scope(self):
+        """The distribution scope (a no-op without a distribution)."""
+        if self.distribution is None:
+            return contextlib.nullcontext()
+        return self.distribution.scope()
+
+    def step(self):
+        """One `train_on_batch`; returns the (global) loss."""
+        with self.scope():
+            return float(self.model.train_on_batch(self.x, self.y))
+
+    def memory(self, slots):
+        """Per-rank bytes of parameters, gradients and optimizer state."""
+        parameters = [v.value for v in self.model.trainable_variables]
+        return measure.memory_report(
+            parameters,
+            [p.grad for p in parameters],
+            [v.value for v in self.model.optimizer.variables],
+            slots,
+        )
+
+
+class NativeRunner:
+    """The native twin of a Keras model under PyTorch's own parallelism."""
+
+    def __init__(self, workload, config, mode, mesh, keras_model, x, y):
+        model = torch_models.build_model(workload, config).to(device())
+        torch_models.copy_keras_weights(keras_model, model)
+        self.model = torch_models.parallelize(model, mode, mesh)
+        self.optimizer = torch_models.make_optimizer(
+            config, self.model.parameters()
+        )
+        self.x = batch_slice(mode, mesh, x)
+        self.y = batch_slice(mode, mesh, y)
+
+    def step(self):
+        """One training step; returns this process's loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch_models.loss_fn(self.model(self.x), self.y)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def memory(self, slots):
+        """Per-rank bytes of parameters, gradients and optimizer state."""
+        parameters = [
+            p for group in self.optimizer.param_groups for p in group["params"]
+        ]
+        return measure.memory_report(
+            parameters,
+            [p.grad for p in parameters],
+            torch_models.optimizer_state(self.optimizer),
+            slots,
+        )
+
+
+def _mesh(distribution):
+    if distribution is None:
+        return None
+    return distribution.device_mesh.backend_mesh
+
+
+def _warm_up(runner, count):
+    for _ in range(count):
+        runner.step()
+
+
+def run_cell(workload, mode, config, options):
+    """Measures one workload in one mode; never raises.
+
+    Args:
+        workload: one of `workloads.WORKLOADS`.
+        mode: one of `workloads.MODES`.
+        config: a `workloads.Config`.
+        options: dict with `steps`, `warmup`, `jit` (bool) and `seed`.
+
+    Returns:
+        A JSON-able dict. Parts that failed hold an `error` string instead
+        of numbers.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cell = {"workload": workload, "mode": mode, "world": world}
+    try:
+        _run_cell(cell, workload, mode, config, options)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        cell["error"] = error_text(error)
+    gc.collect()
+    return cell
+
+
+def _run_cell(cell, workload, mode, config, options):
+    world = cell["world"]
+    keras.utils.set_random_seed(options["seed"])
+    torch.manual_seed(options["seed"])
+    distribution = keras_models.make_distribution(mode, world, workload)
+    x_np, y_np = workloads.make_batch(workload, config, options["seed"])
+    x = torch.as_tensor(x_np, device=device())
+    y = torch.as_tensor(y_np, device=device())
+    slots = SLOTS[config.optimizer]
+
+    keras_runner = KerasRunner(workload, config, distribution, x, y)
+    native = NativeRunner(
+        workload, config, mode, _mesh(distribution), keras_runner.model, x, y
+    )
+    keras_loss = keras_runner.step()
+    native_loss = batch_mean(native.step(), mode)
+    cell["first_loss"] = {"keras": keras_loss, "native": native_loss}
+    cell["loss_rel_diff"] = abs(keras_loss - native_loss) / max(
+        abs(native_loss), 1e-12
+    )
+    _warm_up(keras_runner, options["warmup"])
+    _warm_up(native, options["warmup"])
+
+    cell["collectives"] = {
+        "keras": measure.count_collectives(keras_runner.step),
+        "native": measure.count_collectives(native.step),
+    }
+    grad_bytes = measure.layout_limit_bytes(
+        [v.value for v in keras_runner.model.trainable_variables]
+    )
+    cell["collectives"]["minimum"] = workloads.minimum_collectives(
+        workload, config, mode, grad_bytes, world
+    )
+    cell["memory"] = {
+        "keras": keras_runner.memory(slots),
+        "native": native.memory(slots),
+    }
+
+    steps = {"keras": keras_runner.step, "native": native.step}
+    if options["jit"]:
+        jit = _jit_runner(cell, workload, config, distribution, x, y, options)
+        if jit is not None:
+            steps["keras_jit"] = jit.step
+    times = measure.time_steps(steps, options["steps"])
+    cell["step_ms"] = {name: measure.median_ms(t) for name, t in times.items()}
+    cell["step_ms_all"] = {
+        name: [1000.0 * v for v in t] for name, t in times.items()
+    }
+    cell["ratio"] = cell["step_ms"]["keras"] / cell["step_ms"]["native"]
+    if "keras_jit" in cell["step_ms"]:
+        cell["jit_speedup"] = (
+            cell["step_ms"]["keras"] / cell["step_ms"]["keras_jit"]
+        )
+    _check_finite(cell)
+
+
+def _jit_runner(cell, workload, config, distribution, x, y, options):
+    """Builds and warms up the `jit_compile=True` model, or records why not.
+
+    Every process must fail alike for the run to go on, which holds for
+    compile errors since they do not depend on the rank.
+    """
+    keras.utils.set_random_seed(options["seed"])
+    try:
+        runner = KerasRunner(workload, config, distribution, x, y, jit=True)
+        _warm_up(runner, max(2, options["warmup"]))
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        cell["jit_error"] = error_text(error)
+        return None
+    return runner
+
+
+def _check_finite(cell):
+    for name, value in cell["step_ms"].items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"Non-positive step time for {name}: {value}")

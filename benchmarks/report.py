@@ -1,0 +1,341 @@
+"""Markdown tables and a PNG chart of a benchmark run.
+
+The chart needs matplotlib, which CI does not install: without it the
+tables are written and the chart is skipped with a message.
+"""
+
+import json
+import math
+import os
+
+# Step-time targets: Keras / native for each mode.
+TIME_TARGETS = {"dp": 1.10, "tp": 1.15, "2d": 1.15}
+MEMORY_TARGET = 1.05  # per-rank bytes / sharding limit
+
+NATIVE_TOOL = {
+    "single": "plain torch",
+    "dp": "DDP",
+    "tp": "parallelize_module",
+    "2d": "parallelize_module + DDP",
+    "fsdp": "FSDP2 fully_shard",
+}
+
+MESH = {
+    "single": lambda n: "1",
+    "dp": lambda n: f"batch={n}",
+    "tp": lambda n: f"batch=1 x model={n}",
+    "2d": lambda n: f"batch=2 x model={n // 2}",
+    "fsdp": lambda n: f"batch={n} (sharded)",
+}
+
+
+def _ms(value):
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _kib(value):
+    return f"{value / 1024:.1f}"
+
+
+def _verdict(ok):
+    return "met" if ok else "**missed**"
+
+
+def _error_cell(text):
+    return "error: " + text.replace("|", "/").replace("\n", " ")
+
+
+def time_row(cell):
+    """One row of the step-time table."""
+    head = [cell["workload"], cell["mode"], MESH[cell["mode"]](cell["world"])]
+    tool = NATIVE_TOOL[cell["mode"]]
+    if "error" in cell:
+        return head + [tool, _error_cell(cell["error"])] + [""] * 5
+    ms = cell["step_ms"]
+    target = TIME_TARGETS.get(cell["mode"])
+    verdict = _verdict(cell["ratio"] <= target) if target else "—"
+    if "keras_jit" in ms:
+        jit = f"{_ms(ms['keras_jit'])} ({cell['jit_speedup']:.2f}x)"
+    elif "jit_error" in cell:
+        jit = _error_cell(cell["jit_error"])
+    else:
+        jit = "not run"
+    return head + [
+        tool,
+        _ms(ms["keras"]),
+        _ms(ms["native"]),
+        f"{cell['ratio']:.2f}",
+        f"≤ {target:.2f}" if target else "—",
+        verdict,
+        jit,
+    ]
+
+
+def collective_row(cell):
+    """One row of the collectives table."""
+    head = [cell["workload"], cell["mode"]]
+    if "error" in cell:
+        return head + [_error_cell(cell["error"])] + [""] * 4
+    counts = cell["collectives"]
+    keras, native = counts["keras"], counts["native"]
+    minimum = counts["minimum"]
+
+    def fmt(c):
+        return f"{c['forward']} / {c['total'] - c['forward']} / {c['total']}"
+
+    ops = ", ".join(f"{k} {v}" for k, v in sorted(keras["ops"].items()))
+    return head + [
+        fmt(keras),
+        fmt(native),
+        fmt(minimum),
+        _verdict(keras["total"] <= minimum["total"]),
+        f"{ops or '—'}; min: {minimum['note']}",
+    ]
+
+
+def memory_row(cell):
+    """One row of the memory table."""
+    head = [cell["workload"], cell["mode"]]
+    if "error" in cell:
+        return head + [_error_cell(cell["error"])] + [""] * 5
+    keras, native = cell["memory"]["keras"], cell["memory"]["native"]
+    return head + [
+        f"{_kib(keras['params'])} / {_kib(keras['grads'])} / "
+        f"{_kib(keras['optimizer'])}",
+        _kib(keras["total"]),
+        _kib(keras["limit"]),
+        f"{keras['ratio']:.3f}",
+        _verdict(keras["ratio"] <= MEMORY_TARGET),
+        _kib(native["total"]),
+    ]
+
+
+def overhead_row(row):
+    """One row of the mount-overhead table."""
+    if "error" in row:
+        return [row["workload"], _error_cell(row["error"])] + [""] * 4
+    return [
+        row["workload"],
+        _ms(row["keras_off_ms"]),
+        _ms(row["keras_on_ms"]),
+        f"{row['ratio']:.3f}",
+        f"{row['native_ratio']:.3f}",
+        f"{100 * row['run_spread']:.1f}%",
+    ]
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _header(results):
+    machine = results["machine"]
+    config = ", ".join(f"{k}={v}" for k, v in results["config"].items())
+    options = results["options"]
+    load = machine.get("load_average", [math.nan] * 3)
+    load_end = machine.get("load_average_end", [math.nan] * 3)
+    return "\n".join(
+        [
+            f"Command: `{results['command']}`",
+            "",
+            f"Machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs"
+            f"{', ' + machine['cuda'] if machine.get('cuda') else ''}; "
+            f"torch {machine['torch']}, keras {machine['keras']}, "
+            f"Python {machine['python']}, backend "
+            f"{machine['backend'] or 'none'}, {results['world']} processes. "
+            f"Load average {load[0]:.1f} at start, {load_end[0]:.1f} at "
+            f"end. Wall time {results.get('wall_s', math.nan):.0f} s.",
+            "",
+            f"Sizes: {config}. Median of {options['steps']} interleaved "
+            f"timed steps after {options['warmup']} warm-up steps; a step's "
+            "time is the slowest rank's.",
+        ]
+    )
+
+
+def markdown(results):
+    """The report of one run as markdown."""
+    cells = results["cells"]
+    parts = [_header(results), "", "**Step time** (ms per training step)", ""]
+    parts.append(
+        _table(
+            [
+                "workload",
+                "mode",
+                "mesh",
+                "native",
+                "Keras ms",
+                "native ms",
+                "Keras/native",
+                "target",
+                "time",
+                "Keras jit_compile ms (speed-up)",
+            ],
+            [time_row(c) for c in cells],
+        )
+    )
+    parts += [
+        "",
+        "**Collectives per training step** (outside backward / in "
+        "backward / total; outside backward = forward, loss logging and "
+        "optimizer)",
+        "",
+        _table(
+            [
+                "workload",
+                "mode",
+                "Keras",
+                "native",
+                "minimum",
+                "collectives",
+                "Keras ops; minimum",
+            ],
+            [collective_row(c) for c in cells],
+        ),
+        "",
+        "**Per-rank memory** (KiB; params / grads / optimizer state; "
+        "limit = sharded total / N + replicated part, for the Keras layout)",
+        "",
+        _table(
+            [
+                "workload",
+                "mode",
+                "Keras p / g / opt",
+                "Keras total",
+                "limit",
+                "Keras/limit",
+                "memory",
+                "native total",
+            ],
+            [memory_row(c) for c in cells],
+        ),
+    ]
+    if results.get("overhead"):
+        parts += [
+            "",
+            "**Overhead of the installed package with no distribution set** "
+            "(single process; plain keras = mount removed before keras is "
+            "imported; native torch in the same runs is the noise control)",
+            "",
+            _table(
+                [
+                    "workload",
+                    "plain keras ms",
+                    "with keras-dtensor ms",
+                    "ratio",
+                    "native ratio (noise)",
+                    "run-to-run spread",
+                ],
+                [overhead_row(r) for r in results["overhead"]],
+            ),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def print_progress(cell):
+    """One line per finished cell, for the console."""
+    if "error" in cell:
+        print(f"[bench] {cell['workload']}/{cell['mode']}: {cell['error']}")
+        return
+    print(
+        f"[bench] {cell['workload']}/{cell['mode']}: keras "
+        f"{_ms(cell['step_ms']['keras'])} ms, native "
+        f"{_ms(cell['step_ms']['native'])} ms, ratio {cell['ratio']:.2f}",
+        flush=True,
+    )
+
+
+def write_chart(results, path):
+    """Writes a PNG chart; returns False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the chart.")
+        return False
+    cells = [c for c in results["cells"] if "error" not in c]
+    names = sorted({c["workload"] for c in cells})
+    if not names:
+        return False
+    figure, axes = plt.subplots(
+        2, len(names), figsize=(5 * len(names), 7), squeeze=False
+    )
+    for column, workload in enumerate(names):
+        rows = [c for c in cells if c["workload"] == workload]
+        modes = [c["mode"] for c in rows]
+        positions = range(len(rows))
+        top, bottom = axes[0][column], axes[1][column]
+        width = 0.38
+        top.bar(
+            [p - width / 2 for p in positions],
+            [c["step_ms"]["keras"] for c in rows],
+            width,
+            label="Keras",
+        )
+        top.bar(
+            [p + width / 2 for p in positions],
+            [c["step_ms"]["native"] for c in rows],
+            width,
+            label="native torch",
+        )
+        top.set_xticks(list(positions), modes)
+        top.set_title(f"{workload}: step time (ms)")
+        top.legend()
+        bottom.bar(
+            [p - width / 2 for p in positions],
+            [c["collectives"]["keras"]["total"] for c in rows],
+            width,
+            label="Keras",
+        )
+        bottom.bar(
+            [p + width / 2 for p in positions],
+            [c["collectives"]["native"]["total"] for c in rows],
+            width,
+            label="native torch",
+        )
+        bottom.scatter(
+            list(positions),
+            [c["collectives"]["minimum"]["total"] for c in rows],
+            color="black",
+            marker="_",
+            s=400,
+            label="minimum",
+            zorder=3,
+        )
+        bottom.set_xticks(list(positions), modes)
+        bottom.set_title(f"{workload}: collectives per step")
+        bottom.legend()
+    figure.suptitle(
+        f"keras-dtensor vs native PyTorch, {results['world']} processes"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+def write_all(results, folder, tag):
+    """Writes `<tag>.json`, `<tag>.md` and (if possible) `<tag>.png`.
+
+    Returns:
+        The paths written.
+    """
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    json_path = os.path.join(folder, f"{tag}.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+    paths.append(json_path)
+    md_path = os.path.join(folder, f"{tag}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(results))
+    paths.append(md_path)
+    png_path = os.path.join(folder, f"{tag}.png")
+    if write_chart(results, png_path):
+        paths.append(png_path)
+    return paths

@@ -1,0 +1,146 @@
+"""Smoke test of the benchmark harness (`benchmarks/run.py`).
+
+Runs the smallest configuration on 2 gloo processes under a hard timeout
+and checks that every figure is well-formed: step times positive and
+finite, collective counts integers, memory in bytes, the mount really off
+and on in the overhead runs, and Keras computing the same first loss as
+its native PyTorch twin. It asserts nothing about timing.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import harness
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "benchmarks", "run.py")
+MODES = ("single", "dp", "tp", "2d", "fsdp")
+TIMEOUT = 240
+
+
+def _positive(value):
+    number = isinstance(value, (int, float))
+    return number and math.isfinite(value) and value > 0
+
+
+def _count(value):
+    return isinstance(value, int) and value >= 0
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={harness.free_port()}",
+        RUN,
+        "--workload=mlp",
+        f"--modes={','.join(MODES)}",
+        "--hidden=32",
+        "--layers=1",
+        "--batch=8",
+        "--seq=8",
+        "--vocab=16",
+        "--steps=2",
+        "--warmup=1",
+        "--overhead-repeats=1",
+        "--single-timeout=120",
+        f"--out={out}",
+        "--tag=smoke",
+    ]
+    env = dict(os.environ)
+    env.update(
+        {
+            "KERAS_BACKEND": "torch",
+            "OMP_NUM_THREADS": "1",
+            "KERAS_DTENSOR_TIMEOUT_SECONDS": "120",
+        }
+    )
+    try:
+        completed = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"benchmark did not finish in {TIMEOUT}s: {error.stderr}")
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    with open(out / "smoke.json") as f:
+        data = json.load(f)
+    data["markdown"] = (out / "smoke.md").read_text()
+    return data
+
+
+def test_every_cell_ran(results):
+    cells = {(c["workload"], c["mode"]): c for c in results["cells"]}
+    assert set(cells) == {("mlp", mode) for mode in MODES}
+    for key, cell in cells.items():
+        assert "error" not in cell, (key, cell["error"])
+
+
+def test_step_times_are_positive_and_finite(results):
+    for cell in results["cells"]:
+        for name in ("keras", "native"):
+            assert _positive(cell["step_ms"][name]), (cell["mode"], name)
+        assert _positive(cell["ratio"])
+
+
+def test_collective_counts_are_integers(results):
+    for cell in results["cells"]:
+        for name in ("keras", "native", "minimum"):
+            counts = cell["collectives"][name]
+            for phase in ("forward", "total"):
+                assert _count(counts[phase]), (cell["mode"], name, phase)
+            assert counts["forward"] <= counts["total"]
+        keras_ops = cell["collectives"]["keras"]["ops"]
+        assert all(_count(n) for n in keras_ops.values())
+        assert sum(keras_ops.values()) == cell["collectives"]["keras"]["total"]
+        if cell["mode"] == "single":
+            assert cell["collectives"]["keras"]["total"] == 0
+
+
+def test_memory_is_in_bytes(results):
+    for cell in results["cells"]:
+        for name in ("keras", "native"):
+            memory = cell["memory"][name]
+            for key in ("params", "grads", "optimizer", "total", "limit"):
+                assert _count(memory[key]) and memory[key] > 0, (name, key)
+            assert memory["total"] == (
+                memory["params"] + memory["grads"] + memory["optimizer"]
+            )
+            assert _positive(memory["ratio"])
+
+
+def test_keras_and_native_compute_the_same_model(results):
+    for cell in results["cells"]:
+        assert cell["loss_rel_diff"] < 1e-4, (cell["mode"], cell["first_loss"])
+
+
+def test_mount_overhead_runs_toggle_the_mount(results):
+    (row,) = results["overhead"]
+    assert "error" not in row, row
+    assert _positive(row["ratio"]) and _positive(row["native_ratio"])
+    assert all(not m["finder_armed"] for m in row["mount"]["off"])
+    assert all(not m["distribution_lib_bound"] for m in row["mount"]["off"])
+    assert all(m["finder_armed"] for m in row["mount"]["on"])
+    assert all(m["distribution_lib_bound"] for m in row["mount"]["on"])
+
+
+def test_markdown_has_every_table(results):
+    text = results["markdown"]
+    for title in ("Step time", "Collectives", "Per-rank memory", "Overhead"):
+        assert title in text
+    assert text.count("| mlp |") >= 3 * len(MODES)
