@@ -43,6 +43,9 @@ def launch(
         timeout: hard limit in seconds for the whole launch.
         env: extra environment variables.
         torchrun_args: extra torchrun options, e.g. `["--max-restarts=1"]`.
+            With `--standalone`, torchrun picks the rendezvous itself, as
+            restarts need: a fixed master port keeps one store for all
+            attempts, and restarted workers find stale addresses in it.
 
     Returns:
         A list with one dict per rank: what that rank passed to `report`.
@@ -55,8 +58,7 @@ def launch(
         "torch.distributed.run",
         f"--nproc_per_node={nprocs}",
         "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *_rendezvous_args(torchrun_args),
         *torchrun_args,
         os.path.join(WORKERS_DIR, worker),
         *[str(a) for a in args],
@@ -93,6 +95,12 @@ def launch(
             f"{_tail(completed.stderr)}"
         )
     return [_read_report(result_dir, rank, worker) for rank in range(nprocs)]
+
+
+def _rendezvous_args(torchrun_args):
+    if "--standalone" in torchrun_args:
+        return []
+    return ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
 
 
 def _read_report(result_dir, rank, worker):
