@@ -473,6 +473,9 @@ def test_resume_after_kill_under_torchrun_restart(work):
         work,
         args=[directory],
         torchrun_args=["--standalone", "--max-restarts=1"],
+        # A fresh store for each attempt: restarted workers must not find
+        # the addresses of the killed ones.
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         timeout=360,
     )
     for report in reports:

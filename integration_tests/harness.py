@@ -43,9 +43,10 @@ def launch(
         timeout: hard limit in seconds for the whole launch.
         env: extra environment variables.
         torchrun_args: extra torchrun options, e.g. `["--max-restarts=1"]`.
-            With `--standalone`, torchrun picks the rendezvous itself, as
-            restarts need: a fixed master port keeps one store for all
-            attempts, and restarted workers find stale addresses in it.
+            With `--standalone`, torchrun picks the rendezvous itself
+            (no fixed master port), which restarts need: with one store for
+            all attempts, restarted workers find the killed ones' addresses
+            (see also `TORCH_DISABLE_SHARE_RDZV_TCP_STORE`).
 
     Returns:
         A list with one dict per rank: what that rank passed to `report`.

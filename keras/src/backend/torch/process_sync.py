@@ -14,7 +14,6 @@ import uuid
 
 import torch.distributed as dist
 
-from keras.src.backend.common import global_state
 from keras.src.backend.torch import distribution_lib
 
 SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
@@ -31,6 +30,7 @@ class CollectiveCall:
     """A save or load that every process has entered (see `enter`).
 
     Attributes:
+        key: the store key prefix of the call.
         operation: the name of the call, e.g. `"save_model"`.
         target: the file or folder it works on, for messages.
         token: a random string chosen by process 0, equal on every process.
@@ -55,12 +55,6 @@ def is_multi_process():
         and dist.is_initialized()
         and dist.get_world_size() > 1
     )
-
-
-def is_multi_process_distribution():
-    """Returns whether a distribution is set and spans several processes."""
-    distribution = global_state.get_global_attribute("distribution")
-    return distribution is not None and is_multi_process()
 
 
 def process_id():
@@ -104,25 +98,31 @@ def enter(operation, target=None):
     rank = dist.get_rank()
     world_size = dist.get_world_size()
     index = _CALLS["count"]
-    _CALLS["count"] += 1
     key = _call_key(index)
     token = uuid.uuid4().hex if rank == 0 else ""
+    call = CollectiveCall(key, operation, target, token)
     store.set(f"{key}/entered/{rank}", f"{operation}|{token}")
     # Counting per operation: processes in different calls never complete.
-    if store.add(f"{key}/count/{operation}", 1) == world_size:
+    count_key = f"{key}/count/{operation}"
+    if _add_to_count(store, count_key, 1, world_size) == world_size:
         store.set(f"{key}/all/{operation}", "1")
     timeout = sync_timeout()
     try:
         store.wait([f"{key}/all/{operation}"], timeout)
     except dist.DistStoreError:
-        call = CollectiveCall(key, operation, target, token)
-        raise RuntimeError(
-            _not_entered_message(store, call, rank, world_size, timeout)
-        ) from None
-    token = store.get(f"{key}/entered/0").decode().rpartition("|")[2]
+        # Withdraw, unless the last process arrived in the meantime; the
+        # call index is then free again, for the next call of every process.
+        if _add_to_count(store, count_key, -1, world_size) < world_size:
+            message = _not_entered_message(
+                store, call, rank, world_size, timeout
+            )
+            store.delete_key(f"{key}/entered/{rank}")
+            raise RuntimeError(message) from None
+    _CALLS["count"] += 1
+    call.token = store.get(f"{key}/entered/0").decode().rpartition("|")[2]
     _delete_call_keys(store, index - 1, rank)
     _CALLS["previous_operation"] = operation
-    return CollectiveCall(key, operation, target, token)
+    return call
 
 
 def share_outcome(call, error=None):
@@ -197,6 +197,25 @@ def _call_key(index):
     # keys apart should a store outlive a restart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"{_KEY_PREFIX}/{restart}/{index}"
+
+
+def _add_to_count(store, key, delta, world_size):
+    """Atomically adds `delta` to the count at `key`, unless it is complete.
+
+    Returns:
+        The count after the update, or `world_size` if it was complete.
+    """
+    # Values carry a random suffix so that `compare_set` tells a successful
+    # update from a concurrent one that stored the same count.
+    current = store.compare_set(key, "", "0:").decode()
+    while True:
+        count = int(current.partition(":")[0])
+        if count >= world_size:
+            return count
+        desired = f"{count + delta}:{uuid.uuid4().hex}"
+        current = store.compare_set(key, current, desired).decode()
+        if current == desired:
+            return count + delta
 
 
 def _not_entered_message(store, call, rank, world_size, timeout):
