@@ -151,18 +151,33 @@ def run_cell(workload, mode, config, options):
         A JSON-able dict. Parts that failed hold an `error` string instead
         of numbers.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    cell = {"workload": workload, "mode": mode, "world": world}
+    cell = new_cell(workload, mode)
     try:
-        _run_cell(cell, workload, mode, config, options)
+        steps = prepare(cell, config, options)
+        finish(cell, measure.time_steps(steps, options["steps"]))
     except Exception as error:  # noqa: BLE001 - reported in the table
         cell["error"] = error_text(error)
     gc.collect()
     return cell
 
 
-def _run_cell(cell, workload, mode, config, options):
-    world = cell["world"]
+def new_cell(workload, mode):
+    """An empty result for `workload` in `mode`."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"workload": workload, "mode": mode, "world": world}
+
+
+def prepare(cell, config, options):
+    """Everything but the timing: build, check, count, measure memory.
+
+    Fills `cell` with the first losses of both models, the collectives of
+    one step and the per-rank memory, after `options["warmup"]` steps.
+
+    Returns:
+        A dict mapping `keras`, `native` (and `keras_jit` with
+        `options["jit"]`, if it compiles) to a zero-argument training step.
+    """
+    workload, mode, world = cell["workload"], cell["mode"], cell["world"]
     keras.utils.set_random_seed(options["seed"])
     torch.manual_seed(options["seed"])
     distribution = keras_models.make_distribution(mode, world, workload)
@@ -204,7 +219,16 @@ def _run_cell(cell, workload, mode, config, options):
         jit = _jit_runner(cell, workload, config, distribution, x, y, options)
         if jit is not None:
             steps["keras_jit"] = jit.step
-    times = measure.time_steps(steps, options["steps"])
+    return steps
+
+
+def finish(cell, times):
+    """Adds median step times and ratios to `cell`.
+
+    Args:
+        cell: the result being filled.
+        times: dict mapping a step name to its step times in seconds.
+    """
     cell["step_ms"] = {name: measure.median_ms(t) for name, t in times.items()}
     cell["step_ms_all"] = {
         name: [1000.0 * v for v in t] for name, t in times.items()

@@ -21,18 +21,22 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import cell  # noqa: E402
 import report  # noqa: E402
+import single  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import workloads  # noqa: E402
@@ -103,7 +107,7 @@ def parse_args(argv=None):
         "--optimizer", default=defaults.optimizer, choices=("sgd", "adamw")
     )
     parser.add_argument("--steps", type=int, default=20, help="Timed steps.")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--jit",
@@ -112,17 +116,16 @@ def parse_args(argv=None):
         "compile on CPU).",
     )
     parser.add_argument(
-        "--overhead-repeats",
-        type=int,
-        default=2,
-        help="Pairs of single-process runs with the mount disabled and "
-        "enabled for the overhead figure; 0 skips it.",
+        "--no-overhead",
+        dest="overhead",
+        action="store_false",
+        help="Skip the mount-overhead measurement.",
     )
     parser.add_argument(
         "--single-timeout",
         type=int,
         default=1800,
-        help="Hard limit in seconds for each single-process subprocess.",
+        help="Hard limit in seconds for the single-process phase.",
     )
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument(
@@ -176,8 +179,8 @@ def _cpu_model():
     return platform.processor()
 
 
-def single_command(disable_mount, workload_list, config, args, json_path, jit):
-    """The subprocess command line of one single-process run."""
+def single_command(disable_mount, workload_list, config, args, jit):
+    """The command line of one `single.py` step server."""
     boot = _SINGLE_BOOT.format(
         disable=bool(disable_mount),
         here=HERE,
@@ -191,197 +194,197 @@ def single_command(disable_mount, workload_list, config, args, json_path, jit):
         ",".join(workload_list),
         "--config",
         json.dumps(dataclasses.asdict(config)),
-        "--steps",
-        str(args.steps),
         "--warmup",
         str(args.warmup),
         "--seed",
         str(args.seed),
-        "--json",
-        json_path,
     ]
     if jit:
         command.append("--jit")
     return command
 
 
-def run_single(disable_mount, workload_list, config, args, jit):
-    """Runs `single.py` in a subprocess; returns its JSON result.
+class ServerError(RuntimeError):
+    """A step server failed, exited or ran out of time."""
 
-    A failed or timed-out run returns `{"error": ...}`.
+
+class StepServer:
+    """A `single.py` subprocess that runs training steps on request.
+
+    Args:
+        disable_mount: whether the keras-dtensor mount is removed before
+            keras is imported in the subprocess.
+        workload_list: the workloads it serves, in order.
+        config: a `workloads.Config`.
+        args: the command-line flags (warm-up, seed, timeout).
+        jit: whether it also builds the `jit_compile=True` model.
     """
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env["KERAS_BACKEND"] = "torch"
-    with tempfile.TemporaryDirectory() as folder:
-        json_path = os.path.join(folder, "single.json")
-        command = single_command(
-            disable_mount, workload_list, config, args, json_path, jit
+
+    def __init__(self, disable_mount, workload_list, config, args, jit):
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+        env["KERAS_BACKEND"] = "torch"
+        self.timeout = args.single_timeout
+        self.deadline = time.monotonic() + self.timeout
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            single_command(disable_mount, workload_list, config, args, jit),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            start_new_session=True,
         )
+        self.messages = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            if line.startswith(single.MARKER):
+                self.messages.put(json.loads(line[len(single.MARKER) :]))
+        self.messages.put(None)
+
+    def receive(self):
+        """The next protocol message; raises `ServerError` on failure."""
+        remaining = max(self.deadline - time.monotonic(), 0.0)
         try:
-            completed = subprocess.run(
-                command,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=args.single_timeout,
-            )
+            message = self.messages.get(timeout=remaining)
+        except queue.Empty:
+            raise ServerError(f"timed out after {self.timeout}s") from None
+        if message is None:
+            code = self.process.wait()
+            self.stderr.seek(0)
+            lines = self.stderr.read().strip().splitlines() or [""]
+            raise ServerError(f"exit {code}: {lines[-1][:200]}")
+        return message
+
+    def command(self, line):
+        """Sends one line to the server."""
+        try:
+            self.process.stdin.write(line + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError) as error:
+            raise ServerError(f"the step server is gone: {error}") from None
+
+    def step(self, name):
+        """Runs one step named `name`; returns its time in seconds."""
+        self.command(name)
+        message = self.receive()
+        if "error" in message:
+            raise ServerError(message["error"])
+        return message["time"]
+
+    def close(self):
+        """Ends the subprocess (killing it if it does not exit)."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.single_timeout}s"}
-        if completed.returncode != 0 or not os.path.exists(json_path):
-            tail = completed.stderr.strip().splitlines()[-1:] or [""]
-            return {
-                "error": f"exit {completed.returncode}: {tail[0][:200]}",
-            }
-        with open(json_path) as f:
-            return json.load(f)
+            self.process.kill()
+            self.process.wait()
+        self.stderr.close()
 
 
 def single_phase(workload_list, config, args, with_single):
     """Single-process cells and the mount overhead (rank 0 only).
 
-    The overhead runs alternate between mount disabled and enabled (off,
-    on, on, off, ...), so that drifts of a shared machine cancel out. With
-    `--jit`, one more run (mount enabled) times `jit_compile=True`.
+    Two step servers run side by side, the mount enabled (`on`) and
+    disabled (`off`). Their steps are timed in alternation (off then on,
+    then on then off, ...), so that the overhead is a paired comparison.
 
     Returns:
         `(single_cells, overhead_rows)`.
     """
-    order = []
-    for i in range(max(args.overhead_repeats, 0)):
-        order += [True, False] if i % 2 == 0 else [False, True]
-    if not order and with_single:
-        order = [False]
-    runs = {True: [], False: []}
-    for disable in order:
-        runs[disable].append(
-            run_single(disable, workload_list, config, args, jit=False)
-        )
-    jit_runs = []
-    if args.jit and with_single:
-        jit_runs.append(
-            run_single(False, workload_list, config, args, jit=True)
-        )
-    single_cells = []
-    if with_single:
-        single_cells = _merge_single(runs[False], jit_runs, workload_list)
-    overhead = []
-    if args.overhead_repeats > 0:
-        overhead = _overhead_rows(runs[True], runs[False], workload_list)
+    servers = {"on": StepServer(False, workload_list, config, args, args.jit)}
+    if args.overhead:
+        servers["off"] = StepServer(True, workload_list, config, args, False)
+    single_cells, overhead = [], []
+    try:
+        for workload in workload_list:
+            cells, times = _serve_workload(servers, workload, args.steps)
+            if with_single:
+                single_cells.append(cells["on"])
+            if args.overhead:
+                overhead.append(_overhead_row(workload, cells, times))
+    finally:
+        for server in servers.values():
+            server.close()
     return single_cells, overhead
 
 
-def _cells_of(runs, workload):
-    cells = []
-    for run in runs:
-        for entry in run.get("cells", []):
-            if entry["workload"] == workload and "error" not in entry:
-                cells.append(entry)
-    return cells
+def _serve_workload(servers, workload, count):
+    """Times `count` alternating steps of one workload on every server."""
+    cells, names = {}, {}
+    for key, server in servers.items():
+        try:
+            message = server.receive()
+            cells[key], names[key] = message["ready"], message["steps"]
+        except ServerError as error:
+            cells[key] = cell.new_cell(workload, "single")
+            cells[key].update({"world": 1, "error": str(error)})
+    times = {key: {name: [] for name in names.get(key, ())} for key in servers}
+    keys = list(names)
+    try:
+        for i in range(count):
+            order = keys if i % 2 == 0 else keys[::-1]
+            for name in ("keras", "native", "keras_jit"):
+                for key in order:
+                    if name in names[key] and "error" not in cells[key]:
+                        times[key][name].append(servers[key].step(name))
+    except ServerError as error:
+        cells[key].setdefault("error", str(error))
+    for key in keys:
+        try:
+            servers[key].command("next")
+        except ServerError as error:
+            cells[key].setdefault("error", str(error))
+        if "error" not in cells[key]:
+            try:
+                cell.finish(cells[key], times[key])
+            except ValueError as error:
+                cells[key]["error"] = str(error)
+    return cells, times
 
 
-def _run_errors(runs):
-    return [run["error"] for run in runs if "error" in run]
+def _quartiles(values):
+    if len(values) < 2:
+        return [values[0]] * 3 if values else [math.nan] * 3
+    return statistics.quantiles(values, n=4, method="inclusive")
 
 
-def _merge_single(runs, jit_runs, workload_list):
-    """One single-process cell per workload, step times pooled over runs.
-
-    Eager step times pool the runs without jit; the `keras_jit` time (or
-    `jit_error`) comes from the jit run.
-    """
-    merged = []
-    for workload in workload_list:
-        cells = _cells_of(runs, workload)
-        if not cells:
-            errors = _run_errors(runs) + [
-                e["error"]
-                for run in runs
-                for e in run.get("cells", [])
-                if e["workload"] == workload and "error" in e
-            ]
-            merged.append(
-                {
-                    "workload": workload,
-                    "mode": "single",
-                    "world": 1,
-                    "error": errors[0] if errors else "no result",
-                }
-            )
-            continue
-        first = dict(cells[0])
-        pooled = _pool(cells)
-        for jit_cell in _cells_of(jit_runs, workload):
-            if "keras_jit" in jit_cell["step_ms_all"]:
-                pooled["keras_jit"] = jit_cell["step_ms_all"]["keras_jit"]
-            if "jit_error" in jit_cell:
-                first["jit_error"] = jit_cell["jit_error"]
-        for run in jit_runs:
-            if "error" in run:
-                first["jit_error"] = run["error"]
-        first["step_ms"] = {k: statistics.median(v) for k, v in pooled.items()}
-        first["ratio"] = first["step_ms"]["keras"] / first["step_ms"]["native"]
-        if "keras_jit" in first["step_ms"]:
-            first["jit_speedup"] = (
-                first["step_ms"]["keras"] / first["step_ms"]["keras_jit"]
-            )
-        first["runs"] = len(cells)
-        merged.append(first)
-    return merged
-
-
-def _pool(cells):
-    pooled = {}
-    for entry in cells:
-        for name, values in entry["step_ms_all"].items():
-            pooled.setdefault(name, []).extend(values)
-    return pooled
-
-
-def _overhead_rows(off_runs, on_runs, workload_list):
-    """Keras step time with the package mounted vs plain keras."""
-    rows = []
-    for workload in workload_list:
-        off, on = _cells_of(off_runs, workload), _cells_of(on_runs, workload)
-        mounts = {
-            "off": [r.get("mount") for r in off_runs],
-            "on": [r.get("mount") for r in on_runs],
+def _overhead_row(workload, cells, times):
+    """Keras with the package mounted vs plain keras, paired step by step."""
+    row = {"workload": workload}
+    errors = [c["error"] for c in cells.values() if "error" in c]
+    if errors:
+        row["error"] = errors[0]
+        return row
+    on, off = times["on"], times["off"]
+    keras = [a / b for a, b in zip(on["keras"], off["keras"])]
+    native = [a / b for a, b in zip(on["native"], off["native"])]
+    keras_q, native_q = _quartiles(keras), _quartiles(native)
+    row.update(
+        {
+            "keras_off_ms": 1000.0 * statistics.median(off["keras"]),
+            "keras_on_ms": 1000.0 * statistics.median(on["keras"]),
+            "ratio": keras_q[1],
+            "ratio_quartiles": [keras_q[0], keras_q[2]],
+            "native_ratio": native_q[1],
+            "native_quartiles": [native_q[0], native_q[2]],
+            "within_noise": keras_q[0] <= 1.0 <= keras_q[2],
+            "pairs": len(keras),
+            "mount": {key: cells[key].get("mount") for key in cells},
         }
-        if not off or not on:
-            errors = _run_errors(off_runs + on_runs)
-            rows.append(
-                {
-                    "workload": workload,
-                    "error": errors[0] if errors else "no result",
-                }
-            )
-            continue
-        pooled_off, pooled_on = _pool(off), _pool(on)
-        keras_off = statistics.median(pooled_off["keras"])
-        keras_on = statistics.median(pooled_on["keras"])
-        native_off = statistics.median(pooled_off["native"])
-        native_on = statistics.median(pooled_on["native"])
-        run_medians = [
-            statistics.median(c["step_ms_all"]["keras"]) for c in off + on
-        ]
-        rows.append(
-            {
-                "workload": workload,
-                "keras_off_ms": keras_off,
-                "keras_on_ms": keras_on,
-                "ratio": keras_on / keras_off,
-                "native_ratio": native_on / native_off,
-                "run_spread": (max(run_medians) - min(run_medians))
-                / statistics.median(run_medians),
-                "runs": [len(off), len(on)],
-                "mount": mounts,
-            }
-        )
-    return rows
+    )
+    return row
 
 
 def _wait_group(args):
     """A gloo group whose timeout covers the single-process phase."""
-    seconds = args.single_timeout * (2 * max(args.overhead_repeats, 1) + 1)
+    seconds = args.single_timeout + 120
     return dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=seconds)
     )
@@ -418,7 +421,7 @@ def main(argv=None):
     }
 
     wait_group = _wait_group(args) if world > 1 else None
-    if "single" in modes or args.overhead_repeats > 0:
+    if "single" in modes or args.overhead:
         if rank == 0:
             single_cells, overhead = single_phase(
                 workload_list, config, args, "single" in modes

@@ -1,20 +1,34 @@
-"""Single-process cells: Keras without a distribution vs plain PyTorch.
+"""Single-process cells, served one step at a time to `run.py`.
 
-`run.py` starts this script in a subprocess on rank 0, once or several
-times, with the keras-dtensor mount enabled or disabled (see
-`run.py:single_command`). It prints nothing but errors and writes its
-results as JSON to `--json`.
+`run.py` starts this script on rank 0 in two subprocesses at once: one with
+the keras-dtensor mount enabled, one with it removed before keras is
+imported (see `run.py:single_command`). Both build the same models; then
+`run.py` asks them for training steps in alternation, so that the two
+variants are timed side by side and a shared machine's drifts hit both.
+
+Protocol (one line each way, on stdin and stdout):
+
+- for each workload, this script prints `@@bench {"ready": cell, "steps":
+  [...]}` once the cell is built, checked and warmed up (see
+  `cell.prepare`);
+- it then answers each line naming a step (`keras`, `native`,
+  `keras_jit`) with `@@bench {"time": seconds}` (or `{"error": ...}`);
+- the line `next` moves on to the next workload.
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import cell  # noqa: E402
+import measure  # noqa: E402
 import workloads  # noqa: E402
+
+MARKER = "@@bench "
 
 
 def mount_state():
@@ -30,15 +44,34 @@ def mount_state():
     }
 
 
+def send(message):
+    """Writes one protocol line."""
+    sys.stdout.write(MARKER + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def serve(steps):
+    """Runs the requested steps until `next` (or end of input)."""
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "next" or not name:
+            return
+        try:
+            start = time.perf_counter()
+            steps[name]()
+            measure.synchronize()
+            send({"time": time.perf_counter() - start})
+        except Exception as error:  # noqa: BLE001 - sent to the driver
+            send({"error": cell.error_text(error)})
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--config", required=True, help="Config as JSON.")
-    parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jit", action="store_true")
-    parser.add_argument("--json", required=True, help="Output file.")
     return parser.parse_args(argv)
 
 
@@ -46,19 +79,22 @@ def main(argv=None):
     args = parse_args(argv)
     config = workloads.Config(**json.loads(args.config))
     options = {
-        "steps": args.steps,
+        "steps": 0,
         "warmup": args.warmup,
         "jit": args.jit,
         "seed": args.seed,
     }
-    result = {"mount": mount_state(), "cells": []}
+    mount = mount_state()
     for workload in args.workload.split(","):
-        result["cells"].append(
-            cell.run_cell(workload, "single", config, options)
-        )
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(args.json + ".tmp", args.json)
+        result = cell.new_cell(workload, "single")
+        result["mount"] = mount
+        try:
+            steps = cell.prepare(result, config, options)
+        except Exception as error:  # noqa: BLE001 - sent to the driver
+            result["error"] = cell.error_text(error)
+            steps = {}
+        send({"ready": result, "steps": sorted(steps)})
+        serve(steps)
 
 
 if __name__ == "__main__":

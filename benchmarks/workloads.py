@@ -35,12 +35,12 @@ class Config:
         learning_rate: optimizer learning rate.
     """
 
-    hidden: int = 256
+    hidden: int = 128
     layers: int = 2
-    batch: int = 32
-    seq: int = 64
+    batch: int = 16
+    seq: int = 32
     heads: int = 4
-    vocab: int = 512
+    vocab: int = 256
     ffn_multiple: int = 4
     optimizer: str = "sgd"
     learning_rate: float = 0.01
