@@ -100,32 +100,33 @@ def reference(work):
 
 
 @pytest.fixture(scope="module")
-def keras_run(work, reference):
-    directory = os.path.join(work, "keras")
-    os.makedirs(directory)
+def two_process_run(work, reference):
+    """Keras formats, sharded checkpoints and callbacks on 2 processes."""
     return harness.launch(
-        "checkpoint_keras_worker.py",
+        "checkpoint_worker.py",
         2,
         work,
         args=[
-            directory,
+            os.path.join(work, "two"),
             os.path.join(work, "reference"),
             ",".join(KERAS_DISTRIBUTIONS),
         ],
-        env=SYNC_ENV,
     )
 
 
 @pytest.fixture(scope="module")
-def sharded_two(work, reference):
-    directory = os.path.join(work, "sharded")
-    os.makedirs(directory)
-    return harness.launch(
-        "checkpoint_sharded_worker.py",
-        2,
-        work,
-        args=["two", directory, os.path.join(work, "reference", "sharded")],
-    )
+def keras_run(two_process_run):
+    return two_process_run
+
+
+@pytest.fixture(scope="module")
+def sharded_two(two_process_run):
+    return two_process_run
+
+
+@pytest.fixture(scope="module")
+def callbacks_run(two_process_run):
+    return two_process_run
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def sharded_four(work, sharded_two):
         "checkpoint_sharded_worker.py",
         4,
         work,
-        args=["four", os.path.join(work, "sharded")],
+        args=["four", os.path.join(work, "two", "sharded")],
         timeout=360,
     )
 
@@ -162,9 +163,10 @@ def killed_sharded(work):
 def keras_files(work):
     """Name -> (model.keras, model.weights.h5) written under distributions."""
     files = {
-        name: os.path.join(work, "keras", name) for name in KERAS_DISTRIBUTIONS
+        name: os.path.join(work, "two", "keras", name)
+        for name in KERAS_DISTRIBUTIONS
     }
-    files["mp2x2"] = os.path.join(work, "sharded", "mp2x2")
+    files["mp2x2"] = os.path.join(work, "two", "sharded", "mp2x2")
     files["killed"] = os.path.join(work, "killed_keras")
     return {
         name: (
@@ -182,7 +184,8 @@ def torch_reads(work, keras_run, sharded_four, killed_keras, killed_sharded):
         for name, paths in keras_files(work).items()
     ]
     for name in ("sharded_mp", "sharded_mp2x2"):
-        jobs.append([name, "read-sharded", os.path.join(work, "sharded", name)])
+        directory = os.path.join(work, "two", "sharded", name)
+        jobs.append([name, "read-sharded", directory])
     jobs.append(
         [
             "killed_sharded",
@@ -220,7 +223,7 @@ def test_keras_files_round_trip_under_distribution(keras_run, name):
 
 @pytest.mark.parametrize("name", KERAS_DISTRIBUTIONS)
 def test_process_zero_alone_writes_then_renames(keras_run, work, name):
-    directory = os.path.join(work, "keras", name)
+    directory = os.path.join(work, "two", "keras", name)
     writer, other = keras_run
     # Process 0 writes into a staging folder beside each destination.
     assert len(writer[f"{name}/written"]) == 2
@@ -351,7 +354,7 @@ def test_each_rank_writes_only_its_own_shards(sharded_two, sharded_four):
 
 def test_sharded_checkpoint_is_replaced_atomically(sharded_two):
     for report in sharded_two:
-        assert report["listing"] == ["sharded_mp"]
+        assert report["sharded/listing"] == ["sharded_mp"]
 
 
 def test_sharded_load_onto_another_layout_same_world(sharded_two):
@@ -397,25 +400,12 @@ def test_sharded_load_2x2_to_4_and_to_1(sharded_four, torch_reads):
 
 def test_training_goes_on_identically_after_sharded_load(sharded_two):
     for report in sharded_two:
-        after_save = report["mp/losses_after_save"]
+        after_save = report["sharded/losses_after_save"]
         assert len(after_save) == STEPS_PER_EPOCH
-        assert report["mp/losses_after_load"] == after_save
+        assert report["sharded/losses_after_load"] == after_save
 
 
 # Callbacks.
-
-
-@pytest.fixture(scope="module")
-def callbacks_run(work):
-    directory = os.path.join(work, "callbacks")
-    os.makedirs(directory)
-    return harness.launch(
-        "checkpoint_callbacks_worker.py",
-        2,
-        work,
-        args=[directory, ",".join(KERAS_DISTRIBUTIONS)],
-        env=SYNC_ENV,
-    )
 
 
 @pytest.mark.parametrize("name", KERAS_DISTRIBUTIONS)

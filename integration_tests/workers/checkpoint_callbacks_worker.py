@@ -21,7 +21,6 @@ from worker_utils import record
 
 import keras
 
-WORK_DIR, NAMES = sys.argv[1], sys.argv[2]
 EPOCHS = 4
 INTERRUPT_AT_EPOCH = 2
 
@@ -116,13 +115,17 @@ def check_backup_and_restore(name, directory):
     record(f"{name}/uninterrupted_state", cm.state(uninterrupted))
 
 
-def main():
-    keras.distribution.initialize()
-    for name in NAMES.split(","):
+def run(work_dir, names):
+    for name in names.split(","):
         cm.use_distribution(name)
-        directory = os.path.join(WORK_DIR, name)
+        directory = os.path.join(work_dir, name)
         check_model_checkpoint(name, directory)
         check_backup_and_restore(name, directory)
+
+
+def main():
+    keras.distribution.initialize()
+    run(*sys.argv[1:])
     worker_utils.report()
 
 

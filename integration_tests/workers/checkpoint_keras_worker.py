@@ -8,8 +8,8 @@ Usage: checkpoint_keras_worker.py WORK_DIR REFERENCE_DIR DISTRIBUTIONS
 For each distribution, every rank trains a model, saves it as `.keras` and
 `.weights.h5` into WORK_DIR/<name>/, loads both back, loads the reference
 files, and trains on. Then, with the last distribution, one rank alone calls
-a save and another alone calls a load (with a short sync timeout); both get
-an error, all ranks carry on, and a save on every rank then works.
+a save and another alone calls a load (with a sync timeout of 3 seconds):
+both get an error, all ranks carry on, and a save on every rank then works.
 """
 
 import os
@@ -24,7 +24,8 @@ from worker_utils import record_error
 import keras
 from keras.src.saving import saving_lib
 
-WORK_DIR, REFERENCE_DIR, NAMES = sys.argv[1], sys.argv[2], sys.argv[3]
+SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
+ONE_RANK_SYNC_TIMEOUT = 3
 
 # The paths that upstream saving wrote to, on this rank.
 WRITTEN = []
@@ -46,9 +47,9 @@ def spy_on_writes():
     saving_lib.save_weights_only = save_weights_only
 
 
-def check_distribution(name):
+def check_distribution(name, work_dir, reference_dir):
     cm.use_distribution(name)
-    directory = os.path.join(WORK_DIR, name)
+    directory = os.path.join(work_dir, name)
     os.makedirs(directory, exist_ok=True)
     model_path = os.path.join(directory, "model.keras")
     weights_path = os.path.join(directory, "model.weights.h5")
@@ -76,12 +77,12 @@ def check_distribution(name):
     record(f"{name}/load_weights", cm.state(fresh))
 
     reference = keras.saving.load_model(
-        os.path.join(REFERENCE_DIR, "model.keras")
+        os.path.join(reference_dir, "model.keras")
     )
     record(f"{name}/reference_load_model", cm.state(reference))
     fresh = cm.build_model()
     cm.build_optimizer(fresh)
-    fresh.load_weights(os.path.join(REFERENCE_DIR, "model.weights.h5"))
+    fresh.load_weights(os.path.join(reference_dir, "model.weights.h5"))
     record(f"{name}/reference_load_weights", cm.state(fresh))
 
     # Nothing lost: the loaded model trains on exactly as the original.
@@ -92,6 +93,14 @@ def check_distribution(name):
 
 def check_one_rank_calls(model, directory):
     """A save on rank 0 alone and a load on rank 1 alone fail; all go on."""
+    os.environ[SYNC_TIMEOUT_ENV_VAR] = str(ONE_RANK_SYNC_TIMEOUT)
+    try:
+        one_rank_calls(model, directory)
+    finally:
+        del os.environ[SYNC_TIMEOUT_ENV_VAR]
+
+
+def one_rank_calls(model, directory):
     x, _ = cm.data()
     rank = dist.get_rank()
     if rank == 0:
@@ -113,14 +122,18 @@ def check_one_rank_calls(model, directory):
     record("one_rank/listing", sorted(os.listdir(directory)))
 
 
-def main():
-    keras.distribution.initialize()
+def run(work_dir, reference_dir, names):
     spy_on_writes()
-    names = NAMES.split(",")
+    names = names.split(",")
     model = None
     for name in names:
-        model = check_distribution(name)
-    check_one_rank_calls(model, os.path.join(WORK_DIR, names[-1]))
+        model = check_distribution(name, work_dir, reference_dir)
+    check_one_rank_calls(model, os.path.join(work_dir, names[-1]))
+
+
+def main():
+    keras.distribution.initialize()
+    run(*sys.argv[1:])
     worker_utils.report()
 
 

@@ -55,7 +55,7 @@ def two(work_dir, reference_checkpoint):
     keras_dtensor.save_checkpoint(original, checkpoint)
     record_model("mp/saved", original)
     record_chunk_files("mp", checkpoint)
-    record("listing", sorted(os.listdir(work_dir)))
+    record("sharded/listing", sorted(os.listdir(work_dir)))
 
     cm.use_distribution("dp")
     replicated = cm.build_model()
@@ -70,8 +70,8 @@ def two(work_dir, reference_checkpoint):
     cm.use_distribution("mp")
     resumed = cm.build_model()
     keras_dtensor.load_checkpoint(resumed, checkpoint)
-    record("mp/losses_after_save", cm.fit(original))
-    record("mp/losses_after_load", cm.fit(resumed))
+    record("sharded/losses_after_save", cm.fit(original))
+    record("sharded/losses_after_load", cm.fit(resumed))
 
 
 def four(work_dir):
