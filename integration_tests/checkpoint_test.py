@@ -239,6 +239,9 @@ def test_process_zero_alone_writes_then_renames(keras_run, work, name):
         assert not path.startswith(str(work))
     for report in keras_run:
         assert report[f"{name}/listing"] == ["model.keras", "model.weights.h5"]
+        # No prompt under several processes: every process raises.
+        error = report[f"{name}/overwrite_false"]
+        assert error.startswith("FileExistsError: Not overwriting")
 
 
 @pytest.mark.parametrize("backend", ["torch", "numpy"])

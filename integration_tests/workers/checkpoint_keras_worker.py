@@ -63,6 +63,10 @@ def check_distribution(name, work_dir, reference_dir):
     model.save(model_path)
     model.save_weights(weights_path)
     record(f"{name}/written", list(WRITTEN))
+    record_error(
+        f"{name}/overwrite_false",
+        lambda: model.save(model_path, overwrite=False),
+    )
     record(f"{name}/listing", sorted(os.listdir(directory)))
 
     loaded = keras.saving.load_model(model_path)
