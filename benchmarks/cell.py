@@ -203,6 +203,10 @@ def prepare(cell, config, options):
         "keras": measure.count_collectives(keras_runner.step),
         "native": measure.count_collectives(native.step),
     }
+    cell["python_calls"] = {
+        "keras": measure.python_calls(keras_runner.step),
+        "native": measure.python_calls(native.step),
+    }
     grad_bytes = measure.layout_limit_bytes(
         [v.value for v in keras_runner.model.trainable_variables]
     )

@@ -50,8 +50,9 @@ def time_row(cell):
     head = [cell["workload"], cell["mode"], MESH[cell["mode"]](cell["world"])]
     tool = NATIVE_TOOL[cell["mode"]]
     if "error" in cell:
-        return head + [tool, _error_cell(cell["error"])] + [""] * 5
+        return head + [tool, _error_cell(cell["error"])] + [""] * 6
     ms = cell["step_ms"]
+    calls = cell["python_calls"]
     target = TIME_TARGETS.get(cell["mode"])
     verdict = _verdict(cell["ratio"] <= target) if target else "—"
     if "keras_jit" in ms:
@@ -67,6 +68,7 @@ def time_row(cell):
         f"{cell['ratio']:.2f}",
         f"≤ {target:.2f}" if target else "—",
         verdict,
+        f"{calls['keras']} / {calls['native']}",
         jit,
     ]
 
@@ -113,8 +115,9 @@ def memory_row(cell):
 def overhead_row(row):
     """One row of the mount-overhead table."""
     if "error" in row:
-        return [row["workload"], _error_cell(row["error"])] + [""] * 4
+        return [row["workload"], _error_cell(row["error"])] + [""] * 5
     low, high = row["ratio_quartiles"]
+    calls = row["python_calls"]
     native_low, native_high = row["native_quartiles"]
     return [
         row["workload"],
@@ -122,6 +125,7 @@ def overhead_row(row):
         _ms(row["keras_on_ms"]),
         f"{row['ratio']:.3f} [{low:.3f}, {high:.3f}]",
         f"{row['native_ratio']:.3f} [{native_low:.3f}, {native_high:.3f}]",
+        f"{calls['off']} / {calls['on']} ({calls['on'] / calls['off']:.4f})",
         "met" if row["within_noise"] else "**missed**",
     ]
 
@@ -174,6 +178,7 @@ def markdown(results):
                 "Keras/native",
                 "target",
                 "time",
+                "Python calls/step Keras / native",
                 "Keras jit_compile ms (speed-up)",
             ],
             [time_row(c) for c in cells],
@@ -232,6 +237,7 @@ def markdown(results):
                     "with keras-dtensor ms",
                     "Keras ratio",
                     "native ratio (noise)",
+                    "Python calls per Keras step: plain / with (ratio)",
                     "zero within noise",
                 ],
                 [overhead_row(r) for r in results["overhead"]],

@@ -375,6 +375,9 @@ def _overhead_row(workload, cells, times):
             "native_ratio": native_q[1],
             "native_quartiles": [native_q[0], native_q[2]],
             "within_noise": keras_q[0] <= 1.0 <= keras_q[2],
+            "python_calls": {
+                key: cells[key]["python_calls"]["keras"] for key in cells
+            },
             "pairs": len(keras),
             "mount": {key: cells[key].get("mount") for key in cells},
         }

@@ -95,6 +95,8 @@ def test_step_times_are_positive_and_finite(results):
         for name in ("keras", "native"):
             assert _positive(cell["step_ms"][name]), (cell["mode"], name)
         assert _positive(cell["ratio"])
+        for name in ("keras", "native"):
+            assert _count(cell["python_calls"][name]), (cell["mode"], name)
 
 
 def test_collective_counts_are_integers(results):
@@ -134,6 +136,7 @@ def test_mount_overhead_runs_toggle_the_mount(results):
     assert _positive(row["ratio"]) and _positive(row["native_ratio"])
     assert all(_positive(q) for q in row["ratio_quartiles"])
     assert row["pairs"] == 2
+    assert all(_count(n) and n > 0 for n in row["python_calls"].values())
     off, on = row["mount"]["off"], row["mount"]["on"]
     assert not off["finder_armed"] and not off["distribution_lib_bound"]
     assert on["finder_armed"] and on["distribution_lib_bound"]
