@@ -36,6 +36,8 @@ DTensorLayout = collections.namedtuple(
 )
 
 _BACKEND_MESHES = {}
+# Whether `initialize_rng` ran: variables are created from the shared seed.
+_SEED_SYNCHRONIZED = False
 
 
 def list_devices(device_type=None):
@@ -98,6 +100,8 @@ def initialize_rng():
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
+    global _SEED_SYNCHRONIZED
+    _SEED_SYNCHRONIZED = True
     if rng_utils.get_random_seed() is not None:
         return
     seed = torch.tensor(
@@ -171,6 +175,9 @@ def _to_backend_mesh(device_mesh):
             f"process, for all {world_size} processes. Received devices: "
             f"{np.ravel(device_mesh.devices).tolist()}"
         )
+    if not _SEED_SYNCHRONIZED:
+        # The process group was created outside `initialize`.
+        initialize_rng()
     mesh = TorchDeviceMesh(
         device_type,
         torch.as_tensor(ranks),
@@ -210,8 +217,9 @@ def _to_backend_layout(tensor_layout):
 def distribute_variable(value, layout, trainable=True, path=None):
     """Creates the distributed parameter of a variable from its full value.
 
-    Values come from process 0, so that every replica holds identical
-    numbers even when the processes did not share a random seed.
+    Every process computes the same full value from the shared random seed
+    (see `initialize_rng`) and keeps its own slice of it, as JAX does with
+    a sharded initializer: nothing is communicated.
 
     Args:
         value: the full (global) value of the variable, a torch tensor.
@@ -234,7 +242,7 @@ def distribute_variable(value, layout, trainable=True, path=None):
         value = _relayout(value, layout)
     else:
         value = _dtensor_distribute(
-            value.detach(), layout.mesh, layout.placements, src_data_rank=0
+            value.detach(), layout.mesh, layout.placements, src_data_rank=None
         )
     parameter = torch.nn.Parameter(value, requires_grad=trainable)
     if trainable:
@@ -766,3 +774,4 @@ def _cpu_attention_backward_sharding(
 register_sharding(
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 )(_cpu_attention_backward_sharding)
+
