@@ -26,11 +26,14 @@ TENSOR_PARALLEL_LAYOUT = {
     r"b\d+_(o|down)/kernel": ("model", None),
 }
 
-# The row-parallel layers' outputs are reduced to the data layout at the
-# layer boundary, as `RowwiseParallel(output_layouts=Replicate())` does.
-# Without these keys DTensor keeps the partial sums flowing into the next
-# block and picks its own collectives there (see benchmarks/README.md).
-ROW_PARALLEL_OUTPUT = r"b\d+_(o|down)/output"
+# Activations laid out in the data layout (batch-sharded, replicated over
+# "model"): the outputs of the row-parallel layers, reduced at the layer
+# boundary as `RowwiseParallel(output_layouts=Replicate())` does, and the
+# outputs of the layers that feed the column-parallel ones (Megatron's "f"
+# points, as `keras_dtensor.prepare_input` would set them). Without the
+# first, DTensor carries the partial sums into the next block and picks
+# its own collectives there (see benchmarks/README.md).
+ACTIVATION_OUTPUTS = r"b\d+_(o|down|add|ln1|ln2|norm1|norm2)/output"
 
 # LayoutMap regex -> axes for a fully sharded (ZeRO-3 / FSDP) layout: every
 # matrix is sharded on its first dimension over the data-parallel axis.
@@ -256,7 +259,7 @@ def make_distribution(mode, world, workload="mlp", output_layouts=True):
         world: number of processes.
         workload: the workload, for the rank of the activations.
         output_layouts: whether tensor-parallel layouts also lay out the
-            outputs of the row-parallel layers (`ROW_PARALLEL_OUTPUT`).
+            activations named by `ACTIVATION_OUTPUTS`.
 
     Returns:
         A `Distribution`, or None for `"single"`.
@@ -279,7 +282,7 @@ def make_distribution(mode, world, workload="mlp", output_layouts=True):
         layout = dict(TENSOR_PARALLEL_LAYOUT)
         if output_layouts:
             rank = 2 if workload == "mlp" else 3
-            layout[ROW_PARALLEL_OUTPUT] = ("batch",) + (None,) * (rank - 1)
+            layout[ACTIVATION_OUTPUTS] = ("batch",) + (None,) * (rank - 1)
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in layout.items():
         layout_map[key] = axes

@@ -45,13 +45,30 @@ def _error_cell(text):
     return "error: " + text.replace("|", "/").replace("\n", " ")
 
 
-def time_row(cell):
-    """One row of the step-time table."""
+def single_ratios(cells):
+    """Keras/native of each workload's single-process cell."""
+    return {
+        c["workload"]: c["ratio"]
+        for c in cells
+        if c["mode"] == "single" and "error" not in c
+    }
+
+
+def time_row(cell, single=None):
+    """One row of the step-time table.
+
+    Args:
+        cell: a cell result.
+        single: dict mapping a workload to its single-process Keras/native
+            ratio, to show the distributed ratio relative to it.
+    """
     head = [cell["workload"], cell["mode"], MESH[cell["mode"]](cell["world"])]
     tool = NATIVE_TOOL[cell["mode"]]
     if "error" in cell:
-        return head + [tool, _error_cell(cell["error"])] + [""] * 6
+        return head + [tool, _error_cell(cell["error"])] + [""] * 7
     ms = cell["step_ms"]
+    base = (single or {}).get(cell["workload"])
+    relative = f"{cell['ratio'] / base:.2f}" if base else "—"
     calls = cell["python_calls"]
     target = TIME_TARGETS.get(cell["mode"])
     verdict = _verdict(cell["ratio"] <= target) if target else "—"
@@ -66,6 +83,7 @@ def time_row(cell):
         _ms(ms["keras"]),
         _ms(ms["native"]),
         f"{cell['ratio']:.2f}",
+        relative,
         f"≤ {target:.2f}" if target else "—",
         verdict,
         f"{calls['keras']} / {calls['native']}",
@@ -112,19 +130,23 @@ def memory_row(cell):
     ]
 
 
+def _with_quartiles(value, quartiles):
+    low, high = quartiles
+    return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def overhead_row(row):
     """One row of the mount-overhead table."""
     if "error" in row:
-        return [row["workload"], _error_cell(row["error"])] + [""] * 5
-    low, high = row["ratio_quartiles"]
+        return [row["workload"], _error_cell(row["error"])] + [""] * 6
     calls = row["python_calls"]
-    native_low, native_high = row["native_quartiles"]
     return [
         row["workload"],
         _ms(row["keras_off_ms"]),
         _ms(row["keras_on_ms"]),
-        f"{row['ratio']:.3f} [{low:.3f}, {high:.3f}]",
-        f"{row['native_ratio']:.3f} [{native_low:.3f}, {native_high:.3f}]",
+        _with_quartiles(row["ratio"], row["ratio_quartiles"]),
+        _with_quartiles(row["native_ratio"], row["native_quartiles"]),
+        _with_quartiles(row["corrected_ratio"], row["corrected_quartiles"]),
         f"{calls['off']} / {calls['on']} ({calls['on'] / calls['off']:.4f})",
         "met" if row["within_noise"] else "**missed**",
     ]
@@ -176,12 +198,13 @@ def markdown(results):
                 "Keras ms",
                 "native ms",
                 "Keras/native",
+                "÷ single-process Keras/native",
                 "target",
                 "time",
                 "Python calls/step Keras / native",
                 "Keras jit_compile ms (speed-up)",
             ],
-            [time_row(c) for c in cells],
+            [time_row(c, single_ratios(cells)) for c in cells],
         )
     )
     parts += [
@@ -225,9 +248,11 @@ def markdown(results):
             "",
             "**Overhead of the installed package with no distribution set** "
             "(single process; plain keras = the mount removed before keras "
-            "is imported; both run side by side, steps alternating; ratio = "
-            "median [quartiles] of the paired step-time ratios; native torch "
-            "in the same two processes is the noise control; target: the "
+            "is imported; both processes run side by side, steps "
+            "alternating; ratios are with / without, median [quartiles] of "
+            "the step pairs; the native torch steps of the same two "
+            "processes are the control, and the corrected ratio divides "
+            "each Keras pair by its native pair; target: the corrected "
             "quartiles include 1)",
             "",
             _table(
@@ -236,7 +261,8 @@ def markdown(results):
                     "plain keras ms",
                     "with keras-dtensor ms",
                     "Keras ratio",
-                    "native ratio (noise)",
+                    "native ratio (control)",
+                    "corrected ratio",
                     "Python calls per Keras step: plain / with (ratio)",
                     "zero within noise",
                 ],
@@ -270,7 +296,7 @@ def write_chart(results, path):
         print("matplotlib is not installed: skipping the chart.")
         return False
     cells = [c for c in results["cells"] if "error" not in c]
-    names = sorted({c["workload"] for c in cells})
+    names = list(dict.fromkeys(c["workload"] for c in cells))
     if not names:
         return False
     figure, axes = plt.subplots(

@@ -134,7 +134,9 @@ def test_mount_overhead_runs_toggle_the_mount(results):
     (row,) = results["overhead"]
     assert "error" not in row, row
     assert _positive(row["ratio"]) and _positive(row["native_ratio"])
-    assert all(_positive(q) for q in row["ratio_quartiles"])
+    assert _positive(row["corrected_ratio"])
+    for key in ("ratio_quartiles", "native_quartiles", "corrected_quartiles"):
+        assert all(_positive(q) for q in row[key]), key
     assert row["pairs"] == 2
     assert all(_count(n) and n > 0 for n in row["python_calls"].values())
     off, on = row["mount"]["off"], row["mount"]["on"]
