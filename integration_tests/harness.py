@@ -9,9 +9,11 @@ single-process reference. A hang fails the launch at `timeout` seconds.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 WORKERS_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "workers"
@@ -118,3 +120,163 @@ def _tail(text, lines=60):
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return "\n".join(text.splitlines()[-lines:])
+
+
+def launch_multi_node(
+    worker,
+    nnodes,
+    tmp_path,
+    args=(),
+    timeout=240,
+    env=None,
+    nproc_per_node=1,
+):
+    """Runs `workers/<worker>` as `nnodes` torchrun invocations ("nodes").
+
+    Each node is its own `torchrun --nnodes=<nnodes>` on this machine, and
+    the nodes meet through a c10d rendezvous on 127.0.0.1, as torchrun on
+    separate machines would. All nodes share one hard timeout: on timeout,
+    or as soon as one node fails, the process groups of all nodes are
+    killed.
+
+    Args:
+        worker: file name of the worker script in `integration_tests/workers`.
+        nnodes: number of torchrun invocations.
+        tmp_path: a folder for the results and the nodes' logs.
+        args: extra command-line arguments for the worker.
+        timeout: hard limit in seconds for the whole launch.
+        env: extra environment variables.
+        nproc_per_node: processes started by each invocation.
+
+    Returns:
+        A list with one dict per global rank: what that rank passed to
+        `report`.
+    """
+    result_dir = os.path.join(
+        str(tmp_path), f"results_{worker}_{nnodes}x{nproc_per_node}_nodes"
+    )
+    os.makedirs(result_dir, exist_ok=True)
+    port = free_port()
+    process_env = dict(os.environ)
+    process_env.update(
+        {
+            "KERAS_BACKEND": "torch",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
+            RESULT_DIR_ENV: result_dir,
+        }
+    )
+    process_env.update(env or {})
+    log_paths = [
+        os.path.join(result_dir, f"node{node}.log") for node in range(nnodes)
+    ]
+    nodes = []
+    try:
+        for node, log_path in enumerate(log_paths):
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--nproc_per_node={nproc_per_node}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id=keras-dtensor-{port}",
+                f"--rdzv_conf=is_host={int(node == 0)}",
+                "--local_addr=127.0.0.1",
+                os.path.join(WORKERS_DIR, worker),
+                *[str(a) for a in args],
+            ]
+            with open(log_path, "w") as log:
+                nodes.append(
+                    subprocess.Popen(
+                        command,
+                        env=process_env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        failure = _wait_for_nodes(nodes, timeout)
+    finally:
+        for process in nodes:
+            _kill_node(process)
+    if failure:
+        logs = []
+        for node, log_path in enumerate(log_paths):
+            with open(log_path, errors="replace") as f:
+                logs.append(f"--- node {node} ---\n{_tail(f.read())}")
+        raise WorkerFailure(
+            f"{worker} on {nnodes} nodes {failure}.\n" + "\n".join(logs)
+        )
+    return [
+        _read_report(result_dir, rank, worker)
+        for rank in range(nnodes * nproc_per_node)
+    ]
+
+
+def _wait_for_nodes(nodes, timeout):
+    """Waits for all nodes; returns why they failed, or None."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [process.poll() for process in nodes]
+        failed = [
+            (node, code)
+            for node, code in enumerate(codes)
+            if code not in (0, None)
+        ]
+        if failed:
+            node, code = failed[0]
+            return f"failed: node {node} exited with {code}"
+        if all(code == 0 for code in codes):
+            return None
+        if time.monotonic() > deadline:
+            return f"did not finish within {timeout}s"
+        time.sleep(0.2)
+
+
+def _kill_node(process):
+    """Kills a node's torchrun and its workers.
+
+    torchrun starts each worker in a session of its own, so the worker
+    process groups are killed one by one, after torchrun is stopped so
+    that it cannot start new ones.
+    """
+    if process.poll() is not None:
+        return
+    _signal_group(process.pid, signal.SIGSTOP)
+    for pid in _child_pids(process.pid):
+        _signal_group(pid, signal.SIGKILL)
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(pid, signum):
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _child_pids(parent):
+    """Ids of the live child processes of `parent` (empty without /proc)."""
+    if not os.path.isdir("/proc"):
+        return []
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name is in parentheses and may contain spaces.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == parent:
+            children.append(int(entry))
+    return children
