@@ -1,6 +1,9 @@
-"""Trains a model under a distribution and reports every number it logs.
+"""Trains models under distributions and reports every number they log.
 
-Usage: training_worker.py MODE MODEL OPTIMIZER [EXTRA]
+Usage: training_worker.py RUN [RUN ...], each RUN is `MODE:MODEL:OPTIMIZER`
+or `MODE:MODEL:OPTIMIZER:EXTRA`, and its values are reported under
+`<RUN>/<name>`. One launch runs every RUN in turn. A single run may also be
+given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODE: `single` (no distribution), `dp` (DataParallel), `mp` (ModelParallel
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
   MODEL: `mlp` or `transformer`.
@@ -17,11 +20,22 @@ from worker_utils import record
 
 import keras
 
-MODE, MODEL, OPTIMIZER = sys.argv[1:4]
-EXTRA = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else set()
-NUM_SAMPLES = 35 if "uneven" in EXTRA else 32
 BATCH_SIZE = 8
 SEQ, VOCAB, HIDDEN = 6, 16, 16
+
+
+class Run:
+    """One training configuration, parsed from `MODE:MODEL:OPTIMIZER[:X]`."""
+
+    def __init__(self, spec, prefix=None):
+        parts = spec.split(":")
+        self.prefix = spec + "/" if prefix is None else prefix
+        self.mode, self.model, self.optimizer = parts[:3]
+        self.extra = set(parts[3].split(",")) if len(parts) > 3 else set()
+        self.num_samples = 35 if "uneven" in self.extra else 32
+
+    def record(self, name, value):
+        record(f"{self.prefix}{name}", value)
 
 
 def transformer_block(x, name):
@@ -36,11 +50,11 @@ def transformer_block(x, name):
     return keras.layers.LayerNormalization(name=f"{name}_norm2")(x + hidden)
 
 
-def build_model():
-    if MODEL == "mlp":
+def build_model(run):
+    if run.model == "mlp":
         inputs = keras.Input((12,), name="features")
         x = keras.layers.Dense(16, activation="relu", name="up")(inputs)
-        if "dropout" in EXTRA:
+        if "dropout" in run.extra:
             x = keras.layers.Dropout(0.5, name="dropout")(x)
         x = keras.layers.Dense(16, activation="relu", name="down")(x)
         outputs = keras.layers.Dense(4, name="head")(x)
@@ -54,9 +68,9 @@ def build_model():
     return keras.Model(inputs, outputs)
 
 
-def layout_map_for(mesh):
+def layout_map_for(run, mesh):
     layout_map = keras.distribution.LayoutMap(mesh)
-    if MODEL == "mlp":
+    if run.model == "mlp":
         layout_map["up/kernel"] = (None, "model")
         layout_map["up/bias"] = ("model",)
         layout_map["down/kernel"] = ("model", None)
@@ -71,30 +85,31 @@ def layout_map_for(mesh):
     return layout_map
 
 
-def set_distribution():
-    if MODE == "single":
+def set_distribution(run):
+    if run.mode == "single":
+        keras.distribution.set_distribution(None)
         return
-    keras.distribution.initialize()
     devices = keras.distribution.list_devices()
     n = len(devices)
-    if MODE == "dp":
+    if run.mode == "dp":
         distribution = keras.distribution.DataParallel(devices=devices)
     else:
-        shape = (1, n) if MODE == "mp" else (2, n // 2)
+        shape = (1, n) if run.mode == "mp" else (2, n // 2)
         mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
         distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map_for(mesh)
+            layout_map=layout_map_for(run, mesh)
         )
     keras.distribution.set_distribution(distribution)
 
 
-def make_data():
+def make_data(run):
     rng = np.random.default_rng(0)
-    if MODEL == "mlp":
-        x = rng.normal(size=(NUM_SAMPLES, 12)).astype("float32")
+    n = run.num_samples
+    if run.model == "mlp":
+        x = rng.normal(size=(n, 12)).astype("float32")
     else:
-        x = rng.integers(0, VOCAB, size=(NUM_SAMPLES, SEQ)).astype("int32")
-    y = rng.integers(0, 4, size=(NUM_SAMPLES,)).astype("int32")
+        x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
+    y = rng.integers(0, 4, size=(n,)).astype("int32")
     return x, y
 
 
@@ -107,12 +122,12 @@ class BatchLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
-def make_inputs(x, y):
+def make_inputs(run, x, y):
     """Returns `fit` keyword arguments in the requested input form."""
-    if "dict" in EXTRA:
-        name = "features" if MODEL == "mlp" else "tokens"
+    if "dict" in run.extra:
+        name = "features" if run.model == "mlp" else "tokens"
         return {"x": {name: x}, "y": y, "batch_size": BATCH_SIZE}
-    if "pydataset" in EXTRA:
+    if "pydataset" in run.extra:
 
         class Batches(keras.utils.PyDataset):
             def __len__(self):
@@ -123,7 +138,7 @@ def make_inputs(x, y):
                 return x[s], y[s]
 
         return {"x": Batches()}
-    if "dataloader" in EXTRA:
+    if "dataloader" in run.extra:
         import torch
 
         dataset = torch.utils.data.TensorDataset(
@@ -135,14 +150,15 @@ def make_inputs(x, y):
     return {"x": x, "y": y, "batch_size": BATCH_SIZE}
 
 
-def main():
-    set_distribution()
+def train(run):
+    set_distribution(run)
     keras.utils.set_random_seed(1337)
-    model = build_model()
-    record("initial_weights", [w.tolist() for w in model.get_weights()])
+    model = build_model(run)
+    run.record("optimizer", run.optimizer)
+    run.record("initial_weights", [w.tolist() for w in model.get_weights()])
     optimizer = (
         keras.optimizers.SGD(0.05, momentum=0.9)
-        if OPTIMIZER == "sgd"
+        if run.optimizer == "sgd"
         else keras.optimizers.AdamW(0.01, weight_decay=0.01)
     )
     model.compile(
@@ -152,30 +168,41 @@ def main():
             keras.metrics.SparseCategoricalAccuracy(name="acc"),
             keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
         ],
-        jit_compile="jit" in EXTRA,
+        jit_compile="jit" in run.extra,
     )
-    x, y = make_data()
+    x, y = make_data(run)
     losses = BatchLosses()
     history = model.fit(
-        **make_inputs(x, y),
+        **make_inputs(run, x, y),
         epochs=2,
-        shuffle="shuffle" in EXTRA,
+        shuffle="shuffle" in run.extra,
         verbose=0,
         callbacks=[losses],
     )
-    record("batch_losses", losses.losses)
-    record(
+    run.record("batch_losses", losses.losses)
+    run.record(
         "history",
         {k: [float(v) for v in vs] for k, vs in history.history.items()},
     )
-    record("final_weights", [w.tolist() for w in model.get_weights()])
-    record("iterations", int(model.optimizer.iterations.numpy()))
+    run.record("final_weights", [w.tolist() for w in model.get_weights()])
+    run.record("weight_paths", [w.path for w in model.weights])
+    run.record("iterations", int(model.optimizer.iterations.numpy()))
     evaluation = model.evaluate(
         x, y, batch_size=BATCH_SIZE, verbose=0, return_dict=True
     )
-    record("evaluate", {k: float(v) for k, v in evaluation.items()})
-    predictions = model.predict(x, batch_size=BATCH_SIZE, verbose=0)
-    record("predict", predictions)
+    run.record("evaluate", {k: float(v) for k, v in evaluation.items()})
+    run.record("predict", model.predict(x, batch_size=BATCH_SIZE, verbose=0))
+
+
+def main():
+    if ":" in sys.argv[1]:
+        runs = [Run(spec) for spec in sys.argv[1:]]
+    else:  # One run given as `MODE MODEL OPTIMIZER [EXTRA]`, unprefixed.
+        runs = [Run(":".join(sys.argv[1:]), prefix="")]
+    if any(run.mode != "single" for run in runs):
+        keras.distribution.initialize()
+    for run in runs:
+        train(run)
     worker_utils.report()
 
 

@@ -774,4 +774,3 @@ def _cpu_attention_backward_sharding(
 register_sharding(
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 )(_cpu_attention_backward_sharding)
-
