@@ -242,3 +242,10 @@ def test_invalid_layouts_name_path_shape_layout_mesh_and_axis(run):
         assert "'model'" in twice and "once" in twice
         assert "'twice'" in twice and "(4, 4)" in twice
         assert "nope" in report["error/unknown"]
+
+
+def test_only_process_zero_prints_progress(run):
+    _, _, reports = run
+    assert reports[0]["progbar_epoch_lines"] == 2
+    for report in reports[1:]:
+        assert report["progbar_epoch_lines"] == 0

@@ -264,6 +264,25 @@ def edit_data_adapter_auto_shard(data_adapters):
     data_adapters.get_data_adapter = get_data_adapter
 
 
+def edit_progbar_on_process_zero(progbar_module):
+    """Only process 0 prints progress bars under a multi-process job.
+
+    Every process computes the same logs, so the bars would be printed once
+    per process. The other processes keep the callback (and its logic) but
+    print nothing, as if `verbose=0` had been passed there.
+    """
+    if not _is_torch_backend():
+        return
+    upstream_set_params = progbar_module.ProgbarLogger.set_params
+
+    def set_params(self, params):
+        upstream_set_params(self, params)
+        if _torch_distribution_lib().process_id() != 0:
+            self.verbose = 0
+
+    progbar_module.ProgbarLogger.set_params = set_params
+
+
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -283,6 +302,9 @@ POST_IMPORT_EDITS = {
         edit_trainer_input_distribution
     ],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
+    "keras.src.callbacks.progbar_logger": lambda: [
+        edit_progbar_on_process_zero
+    ],
 }
 
 

@@ -184,6 +184,24 @@ def check_outputs(mesh):
     record("outputs/reference", x)
 
 
+def check_progbar(model):
+    """Counts the progress lines a `fit` with `verbose=2` prints."""
+    import contextlib
+    import io
+
+    model.compile(optimizer="sgd", loss="mse")
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        model.fit(
+            np.ones((8, 8), "float32"),
+            np.ones((8, 4), "float32"),
+            batch_size=4,
+            epochs=2,
+            verbose=2,
+        )
+    record("progbar_epoch_lines", output.getvalue().count("Epoch "))
+
+
 def main():
     keras.distribution.initialize()
     keras.utils.set_random_seed(7)
@@ -213,6 +231,7 @@ def main():
     check_errors(mesh)
     check_outputs(mesh)
     check_assign(model)
+    check_progbar(model)
     worker_utils.report()
 
 
