@@ -35,9 +35,9 @@ def device():
 
 def error_text(error):
     """A one-line description of an exception for the table."""
-    message = str(error).strip().splitlines()
-    first = next((line for line in message if line.strip()), "")
-    return f"{type(error).__name__}: {first[:160]}"
+    lines = (line.strip() for line in str(error).splitlines())
+    text = " ".join(line for line in lines if line)
+    return f"{type(error).__name__}: {text[:220]}"
 
 
 def batch_slice(mode, mesh, tensor):
