@@ -30,6 +30,21 @@ RUNS = {
 SHUFFLED = "dp:mlp:sgd:shuffle"
 
 
+def launch_with_one_retry_on_gloo_abort(*args, **kwargs):
+    """Launches, retrying once if a rank aborted inside gloo.
+
+    Under heavy load, a launch was seen to abort with gloo's "Received data
+    size doesn't match expected size" (SIGABRT); README.md lists it as a
+    known gap. Any other failure, or a second abort, fails the test.
+    """
+    try:
+        return harness.launch(*args, **kwargs)
+    except harness.WorkerFailure as failure:
+        if "SIGABRT" not in str(failure):
+            raise
+    return harness.launch(*args, **kwargs)
+
+
 def single(spec):
     return ":".join(["single"] + spec.split(":")[1:])
 
@@ -38,7 +53,7 @@ def single(spec):
 def launches(tmp_path_factory):
     """Three launches: references, 2 processes and 4 processes."""
     specs = [spec for runs in RUNS.values() for spec in runs]
-    references = harness.launch(
+    references = launch_with_one_retry_on_gloo_abort(
         "training_worker.py",
         1,
         tmp_path_factory.mktemp("reference"),
@@ -46,7 +61,7 @@ def launches(tmp_path_factory):
         timeout=300,
     )[0]
     reports = {
-        nprocs: harness.launch(
+        nprocs: launch_with_one_retry_on_gloo_abort(
             "training_worker.py",
             nprocs,
             tmp_path_factory.mktemp(f"p{nprocs}"),
