@@ -66,17 +66,7 @@ def launch(
         os.path.join(WORKERS_DIR, worker),
         *[str(a) for a in args],
     ]
-    process_env = dict(os.environ)
-    process_env.update(
-        {
-            "KERAS_BACKEND": "torch",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
-            RESULT_DIR_ENV: result_dir,
-        }
-    )
-    process_env.update(env or {})
+    process_env = _worker_env(result_dir, timeout, env)
     try:
         completed = subprocess.run(
             command,
@@ -104,6 +94,22 @@ def _rendezvous_args(torchrun_args):
     if "--standalone" in torchrun_args:
         return []
     return ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+
+
+def _worker_env(result_dir, timeout, env):
+    """Environment of a launch: torch backend, timeouts, result folder."""
+    process_env = dict(os.environ)
+    process_env.update(
+        {
+            "KERAS_BACKEND": "torch",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
+            RESULT_DIR_ENV: result_dir,
+        }
+    )
+    process_env.update(env or {})
+    return process_env
 
 
 def _read_report(result_dir, rank, worker):
@@ -157,17 +163,7 @@ def launch_multi_node(
     )
     os.makedirs(result_dir, exist_ok=True)
     port = free_port()
-    process_env = dict(os.environ)
-    process_env.update(
-        {
-            "KERAS_BACKEND": "torch",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
-            RESULT_DIR_ENV: result_dir,
-        }
-    )
-    process_env.update(env or {})
+    process_env = _worker_env(result_dir, timeout, env)
     log_paths = [
         os.path.join(result_dir, f"node{node}.log") for node in range(nnodes)
     ]
