@@ -1,18 +1,16 @@
-"""keras-hub backbones train under `ModelParallel` with their own layouts.
+"""keras-hub backbones train under a distribution with their own layouts.
 
-One 2-process launch of `workers/keras_hub_worker.py` trains tiny
-`GemmaBackbone` and `LlamaBackbone` causal language models (SGD with
-momentum, 3 steps) without a distribution, then on a (1, 2)
-("batch", "model") mesh laid out by the backbone's published
-`get_layout_map`. Those layouts shard contracting dimensions (the query,
-key and value kernels on the hidden dimension, so their outputs are
-partial sums), 3-D einsum kernels, and the token embedding on the
-vocabulary. Losses and weights must match the single-process run.
-
-The worker first trains each model exactly as published; if that fails, it
-reports the error and trains again with workarounds that a user could
-apply too (see `WORKAROUNDS` in the worker). The test that the published
-layout works alone is a strict xfail until the foundation needs none.
+`workers/keras_hub_worker.py` trains tiny `GemmaBackbone` and
+`LlamaBackbone` causal language models for 3 steps, exactly as a user
+would write it, without a distribution and then under it:
+- 2 processes: `ModelParallel` on a (1, 2) ("batch", "model") mesh laid
+  out by the backbone's published `get_layout_map` (SGD with momentum),
+  and `DataParallel` (AdamW);
+- 4 processes: the published layouts on a (2, 2) mesh (SGD with momentum).
+The published layouts shard contracting dimensions (the query, key and
+value kernels on the hidden dimension, so their outputs are partial
+sums), 3-D einsum kernels, and the token embedding on the vocabulary.
+Losses and weights must match the single-process run on every rank.
 """
 
 import harness
@@ -22,7 +20,12 @@ import pytest
 pytest.importorskip("keras_hub")
 
 MODELS = ("gemma", "llama")
-MESH_AXES = {"batch": 1, "model": 2}
+RUNS = {2: ["1x2:sgd", "dp:adamw"], 4: ["2x2:sgd"]}
+CASES = [
+    (run, model) for runs in RUNS.values() for run in runs for model in MODELS
+]
+SHARDED_RUNS = ["1x2:sgd", "2x2:sgd"]
+SHARDED_CASES = [(run, model) for run, model in CASES if run in SHARDED_RUNS]
 # The published layouts (keras-hub 0.32.0) of the variables the worker
 # reports, as mesh axis names per tensor dimension.
 PUBLISHED_LAYOUTS = {
@@ -65,67 +68,69 @@ PUBLISHED_LAYOUTS = {
         ),
     },
 }
-OUT_OF_BOX_XFAIL = {
-    "gemma": (
-        "keras-hub builds the causal attention mask with ops.arange (a plain "
-        "tensor, identical on every process) and mixes it with DTensors: "
-        "'aten.minimum.default got mixed torch.Tensor and DTensor'. "
-        "Workaround: fit under "
-        "torch.distributed.tensor.experimental.implicit_replication()."
-    ),
-    "llama": (
-        "As for Gemma (mixed plain tensor and DTensor), and also: DTensor "
-        "has no sharding rule for aten._scaled_dot_product_flash_attention_"
-        "for_cpu (its decomposition is searched for minutes per call; "
-        "workaround: sdpa_kernel(SDPBackend.MATH)), and the vocabulary-"
-        "sharded embedding output (_MaskPartial) used twice fails its second "
-        "reduction (workaround: a token_embedding/output layout)."
-    ),
-}
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("keras_hub")
-    return harness.launch(
-        "keras_hub_worker.py", 2, tmp_path, args=["sgd"], timeout=300
-    )
+def launches(tmp_path_factory):
+    """One launch per process count; each report covers all its runs."""
+    return {
+        nprocs: harness.launch(
+            "keras_hub_worker.py",
+            nprocs,
+            tmp_path_factory.mktemp(f"keras_hub_{nprocs}"),
+            args=runs,
+            timeout=600,
+        )
+        for nprocs, runs in RUNS.items()
+    }
+
+
+def reports_of(launches, run):
+    (nprocs,) = [n for n, runs in RUNS.items() if run in runs]
+    return launches[nprocs]
+
+
+def mesh_axes(run):
+    rows, columns = (int(n) for n in run.split(":")[0].split("x"))
+    return {"batch": rows, "model": columns}
 
 
 def arrays(report, key):
     return [np.asarray(w, dtype="float32") for w in report[key]]
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_initial_weights_equal_single_process(reports, model):
-    for rank, report in enumerate(reports):
-        assert report[f"{model}/paths"] == report[f"reference/{model}/paths"]
-        reference = arrays(report, f"reference/{model}/initial_weights")
-        initial = arrays(report, f"{model}/initial_weights")
+@pytest.mark.parametrize("run,model", CASES)
+def test_initial_weights_equal_single_process(launches, run, model):
+    for rank, report in enumerate(reports_of(launches, run)):
+        paths = report[f"{run}/{model}/paths"]
+        assert paths == report[f"{run}/reference/{model}/paths"]
+        reference = arrays(report, f"{run}/reference/{model}/initial_weights")
+        initial = arrays(report, f"{run}/{model}/initial_weights")
         assert len(initial) == len(reference)
-        for path, a, b in zip(report[f"{model}/paths"], initial, reference):
+        for path, a, b in zip(paths, initial, reference):
             np.testing.assert_array_equal(a, b, err_msg=f"rank{rank} {path}")
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_losses_match_single_process(reports, model):
-    for rank, report in enumerate(reports):
-        reference = np.asarray(report[f"reference/{model}/losses"])
-        losses = np.asarray(report[f"{model}/losses"])
+@pytest.mark.parametrize("run,model", CASES)
+def test_losses_match_single_process(launches, run, model):
+    for rank, report in enumerate(reports_of(launches, run)):
+        reference = np.asarray(report[f"{run}/reference/{model}/losses"])
+        losses = np.asarray(report[f"{run}/{model}/losses"])
         assert reference.shape == (3,)
         np.testing.assert_allclose(
             losses, reference, rtol=1e-5, atol=0, err_msg=f"rank{rank}"
         )
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_final_weights_match_single_process(reports, model):
-    for rank, report in enumerate(reports):
-        reference = arrays(report, f"reference/{model}/final_weights")
-        final = arrays(report, f"{model}/final_weights")
-        initial = arrays(report, f"reference/{model}/initial_weights")
+@pytest.mark.parametrize("run,model", CASES)
+def test_final_weights_match_single_process(launches, run, model):
+    for rank, report in enumerate(reports_of(launches, run)):
+        reference = arrays(report, f"{run}/reference/{model}/final_weights")
+        final = arrays(report, f"{run}/{model}/final_weights")
+        initial = arrays(report, f"{run}/reference/{model}/initial_weights")
         assert len(final) == len(reference)
-        for path, a, b in zip(report[f"{model}/paths"], final, reference):
+        paths = report[f"{run}/{model}/paths"]
+        for path, a, b in zip(paths, final, reference):
             np.testing.assert_allclose(
                 a, b, rtol=0, atol=1e-5, err_msg=f"rank{rank} {path}"
             )
@@ -133,14 +138,14 @@ def test_final_weights_match_single_process(reports, model):
         assert moved > 1e-3
 
 
-def expected_placements(axes):
+def expected_placements(axes, mesh):
     """Per mesh axis, the accepted placements for a layout's axes.
 
     A mesh axis of size 1 shards nothing, so `Replicate` is accepted there
     as well as `Shard`.
     """
     accepted = []
-    for axis_name, size in MESH_AXES.items():
+    for axis_name, size in mesh.items():
         if axis_name in axes:
             shard = f"S({axes.index(axis_name)})"
             accepted.append({shard} if size > 1 else {shard, "R"})
@@ -149,25 +154,41 @@ def expected_placements(axes):
     return accepted
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_sharded_variable_placements_and_local_shapes(reports, model):
-    for rank, report in enumerate(reports):
-        paths = report[f"reference/{model}/paths"]
-        weights = arrays(report, f"reference/{model}/initial_weights")
+@pytest.mark.parametrize("run,model", SHARDED_CASES)
+def test_sharded_variable_placements_and_local_shapes(launches, run, model):
+    mesh = mesh_axes(run)
+    for rank, report in enumerate(reports_of(launches, run)):
+        paths = report[f"{run}/reference/{model}/paths"]
+        weights = arrays(report, f"{run}/reference/{model}/initial_weights")
         shapes = {path: w.shape for path, w in zip(paths, weights)}
         for path, axes in PUBLISHED_LAYOUTS[model].items():
-            placements = report[f"{model}/placements/{path}"]
+            placements = report[f"{run}/{model}/placements/{path}"]
             for placement, accepted in zip(
-                placements, expected_placements(axes), strict=True
+                placements, expected_placements(axes, mesh), strict=True
             ):
                 assert placement in accepted, (rank, path, placements)
             expected_local = [
-                size // MESH_AXES[axis] if axis else size
+                size // mesh[axis] if axis else size
                 for size, axis in zip(shapes[path], axes)
             ]
-            assert report[f"{model}/local_shape/{path}"] == expected_local
+            local_shape = report[f"{run}/{model}/local_shape/{path}"]
+            assert local_shape == expected_local, (rank, path)
 
 
+@pytest.mark.parametrize("run", ["dp:adamw"])
+@pytest.mark.parametrize("model", MODELS)
+def test_data_parallel_replicates_every_variable(launches, run, model):
+    for report in reports_of(launches, run):
+        paths = report[f"{run}/reference/{model}/paths"]
+        weights = arrays(report, f"{run}/reference/{model}/initial_weights")
+        shapes = {path: list(w.shape) for path, w in zip(paths, weights)}
+        for path in PUBLISHED_LAYOUTS[model]:
+            assert report[f"{run}/{model}/placements/{path}"] == ["R"]
+            local_shape = report[f"{run}/{model}/local_shape/{path}"]
+            assert local_shape == shapes[path]
+
+
+@pytest.mark.parametrize("run", SHARDED_RUNS)
 @pytest.mark.parametrize(
     "model,path",
     [
@@ -178,30 +199,18 @@ def test_sharded_variable_placements_and_local_shapes(reports, model):
         ("llama", "transformer_layer_0/feedforward_output_dense/kernel"),
     ],
 )
-def test_contracting_dimension_is_split_on_model_axis(reports, model, path):
+def test_contracting_dimension_is_split_on_model_axis(
+    launches, run, model, path
+):
     # Dimension 0 of these kernels is contracted in their einsum (hidden,
     # heads or intermediate), so each process computes a partial sum.
-    for report in reports:
-        paths = report[f"reference/{model}/paths"]
+    for report in reports_of(launches, run):
+        paths = report[f"{run}/reference/{model}/paths"]
         full_shape = np.shape(
-            report[f"reference/{model}/initial_weights"][paths.index(path)]
+            report[f"{run}/reference/{model}/initial_weights"][
+                paths.index(path)
+            ]
         )
-        assert report[f"{model}/placements/{path}"][1] == "S(0)"
-        local_shape = report[f"{model}/local_shape/{path}"]
+        assert report[f"{run}/{model}/placements/{path}"][1] == "S(0)"
+        local_shape = report[f"{run}/{model}/local_shape/{path}"]
         assert local_shape[0] == full_shape[0] // 2
-
-
-@pytest.mark.parametrize(
-    "model",
-    [
-        pytest.param(
-            model,
-            marks=pytest.mark.xfail(strict=True, reason=reason),
-        )
-        for model, reason in OUT_OF_BOX_XFAIL.items()
-    ],
-)
-def test_trains_with_published_layout_map_alone(reports, model):
-    for report in reports:
-        assert report[f"{model}/out_of_box_error"] is None
-        assert report[f"{model}/workarounds"] == []

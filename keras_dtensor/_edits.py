@@ -193,23 +193,53 @@ def edit_convert_to_numpy(core):
     core.convert_to_numpy = convert_to_numpy
 
 
+def edit_compute_output_spec(core):
+    """Shape inference replicates the placeholder tensors it creates.
+
+    `compute_output_spec` first runs a function on meta tensors; where that
+    fails it runs it on placeholder tensors of ones, which then meet the
+    distributed variables. Under a distribution it runs in
+    `replicate_created_tensors`, so the placeholders are replicated DTensors
+    (they are identical on every process).
+    """
+    from keras.src.backend.common import global_state
+
+    upstream_compute_output_spec = core.compute_output_spec
+
+    def compute_output_spec(fn, *args, **kwargs):
+        distribution = global_state.get_global_attribute("distribution")
+        if distribution is None:
+            return upstream_compute_output_spec(fn, *args, **kwargs)
+        with _torch_distribution_lib().replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            return upstream_compute_output_spec(fn, *args, **kwargs)
+
+    core.compute_output_spec = compute_output_spec
+
+
 def edit_trainer_input_distribution(trainer_module):
     """Train, test and predict steps distribute their input batch on entry.
 
     Under a distribution, every array leaf of the batch becomes a DTensor
     laid out by `Distribution.get_data_layout` before the step (compiled or
-    not) runs. Without a distribution the step is upstream's.
+    not) runs, and the step runs in `replicate_created_tensors`, so that the
+    tensors it creates from Python values are replicated DTensors. Without
+    a distribution the step is upstream's.
     """
     from keras.src.backend.common import global_state
 
     def distribute_inputs(step_fn):
         def step_with_distributed_inputs(data):
             distribution = global_state.get_global_attribute("distribution")
-            if distribution is not None:
-                data = _torch_distribution_lib().distribute_data(
-                    data, distribution
-                )
-            return step_fn(data)
+            if distribution is None:
+                return step_fn(data)
+            distribution_lib = _torch_distribution_lib()
+            data = distribution_lib.distribute_data(data, distribution)
+            with distribution_lib.replicate_created_tensors(
+                distribution.device_mesh
+            ):
+                return step_fn(data)
 
         step_with_distributed_inputs.distributes_inputs = True
         return step_with_distributed_inputs
@@ -292,6 +322,7 @@ POST_IMPORT_EDITS = {
         edit_variable_assign,
         edit_variable_repr,
         edit_convert_to_numpy,
+        edit_compute_output_spec,
     ],
     "keras.src.backend": lambda: [edit_backend_distribution_lib],
     "keras.src.distribution.distribution_lib": lambda: [
@@ -324,7 +355,8 @@ def _merge_edit_tables(*tables):
 
 
 POST_IMPORT_EDITS = _merge_edit_tables(
-    POST_IMPORT_EDITS, _saving_edits.POST_IMPORT_EDITS
+    POST_IMPORT_EDITS,
+    _saving_edits.POST_IMPORT_EDITS,
 )
 
 

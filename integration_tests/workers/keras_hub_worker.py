@@ -1,42 +1,31 @@
 """Trains tiny keras-hub backbones laid out by their own `get_layout_map`.
 
-Usage: keras_hub_worker.py OPTIMIZER (under torchrun)
+Usage: keras_hub_worker.py RUN [RUN ...] (under torchrun), each RUN being
+`MESH:OPTIMIZER`:
+  MESH: `dp` (`DataParallel` over all processes), or `RxC`, a
+    ("batch", "model") mesh of R x C processes under `ModelParallel` with
+    the backbone's published layout map.
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
 
-The mesh is ("batch", "model"), of shape (1, N) for N=2 processes and
-(2, N/2) for more. For each of `GemmaBackbone` and `LlamaBackbone`, the
-worker builds a tiny causal language model (the backbone, then logits from
-its token embedding, as `GemmaCausalLM` and `LlamaCausalLM` compute them)
-and trains it for a few steps with `fit`: first without a distribution
-(the single-process reference, reported under `reference/<model>/...`),
-then under `ModelParallel` with the backbone's published layout map
-(reported under `<model>/...`). It reports per-step losses, initial and
-final weights, and the placements and local shapes of a few sharded
-variables.
-
-The distributed model is first trained exactly as a user would write it,
-with the published layout map and nothing else. When that fails, the error
-is reported under `<model>/out_of_box_error` and the model is trained again
-with the workarounds in `WORKAROUNDS`, each of them also valid in user
-code; `<model>/workarounds` names the ones used.
+For each of `GemmaBackbone` and `LlamaBackbone`, the worker builds a tiny
+causal language model (the backbone, then logits from its token embedding,
+as `GemmaCausalLM` and `LlamaCausalLM` compute them) and trains it for a
+few steps with `fit`, exactly as a user would write it: first without a
+distribution (the single-process reference, reported under
+`<RUN>/reference/<model>/...`), then under the distribution (reported
+under `<RUN>/<model>/...`). It reports per-step losses, initial and final
+weights, and the placements and local shapes of a few sharded variables.
 """
 
-import contextlib
 import sys
 
 import keras_hub
 import numpy as np
-import torch
 import worker_utils
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.attention import SDPBackend
-from torch.nn.attention import sdpa_kernel
 from worker_utils import record
 
 import keras
 
-OPTIMIZER = sys.argv[1]
 SEED = 1337
 VOCAB, SEQ, BATCH, STEPS = 256, 8, 4, 3
 CONFIG = {
@@ -70,46 +59,6 @@ SHARDED_PATHS = {
         "transformer_layer_0/feedforward_output_dense/kernel",
     ],
 }
-CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# What each workaround stands in for (see integration_tests/keras_hub_test):
-# - "implicit_replication": keras-hub builds causal masks and positions as
-#   plain tensors (identical on every process) and mixes them with DTensors.
-# - "embedding_output_layout": the vocabulary-sharded embedding lookup
-#   returns a `_MaskPartial` DTensor, which DTensor can reduce only once; a
-#   `token_embedding/output` layout reduces it at the layer boundary.
-# - "math_attention": DTensor has no sharding rule for the CPU attention
-#   kernel that `scaled_dot_product_attention` picks (its decomposition is
-#   searched instead: minutes per call); the math backend is plain ops.
-WORKAROUNDS = {
-    "gemma": ["implicit_replication"],
-    "llama": [
-        "implicit_replication",
-        "embedding_output_layout",
-        "math_attention",
-    ],
-}
-
-
-def cpu_attention_is_handled():
-    """Whether attention on CPU DTensors works under the distribution.
-
-    It does if DTensor has a sharding rule for the CPU attention kernel, or
-    if training steps select the math backend of
-    `scaled_dot_product_attention` (plain ops) instead of that kernel.
-    """
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    if CPU_ATTENTION.default in propagator.op_strategy_funcs:
-        return True
-    flash_enabled = []
-
-    class Probe(keras.layers.Layer):
-        def call(self, x):
-            flash_enabled.append(torch.backends.cuda.flash_sdp_enabled())
-            return x
-
-    probe = keras.Sequential([keras.Input((1,)), Probe()])
-    probe.predict_on_batch(np.zeros((BATCH, 1), dtype="float32"))
-    return not flash_enabled[-1]
 
 
 def make_data():
@@ -124,17 +73,23 @@ def make_data():
     return x, tokens[:, 1:], padding_mask
 
 
-def set_distribution(name, workarounds=()):
-    backbone_class, _ = BACKBONES[name]
+def set_distribution(name, mesh):
+    """Sets `DataParallel`, or `ModelParallel` with the published layouts."""
     devices = keras.distribution.list_devices()
-    n = len(devices)
-    shape = (1, n) if n == 2 else (2, n // 2)
-    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-    layout_map = backbone_class.get_layout_map(mesh)
-    if "embedding_output_layout" in workarounds:
-        layout_map["token_embedding/output"] = ("batch", None, None)
+    if mesh == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+        return
+    shape = tuple(int(n) for n in mesh.split("x"))
+    device_mesh = keras.distribution.DeviceMesh(
+        shape, ("batch", "model"), devices
+    )
+    backbone_class, _ = BACKBONES[name]
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
+        keras.distribution.ModelParallel(
+            layout_map=backbone_class.get_layout_map(device_mesh)
+        )
     )
 
 
@@ -144,14 +99,14 @@ def build_backbone(name):
     return backbone_class(**CONFIG, **extra_config)
 
 
-def build_model(name):
+def build_model(name, optimizer_name):
     """The backbone, then logits from its (reversible) token embedding."""
     backbone = build_backbone(name)
     logits = backbone.token_embedding(backbone.output, reverse=True)
     model = keras.Model(backbone.input, logits)
     optimizer = (
         keras.optimizers.SGD(0.1, momentum=0.9)
-        if OPTIMIZER == "sgd"
+        if optimizer_name == "sgd"
         else keras.optimizers.AdamW(0.01, weight_decay=0.01)
     )
     model.compile(
@@ -170,51 +125,23 @@ class BatchLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
-def train(name, workarounds=()):
+def train(name, optimizer_name):
     """Builds and trains one model; returns it, its first weights, losses."""
-    model = build_model(name)
+    model = build_model(name, optimizer_name)
     initial_weights = model.get_weights()
     x, y, sample_weight = make_data()
     losses = BatchLosses()
-    with contextlib.ExitStack() as stack:
-        if "implicit_replication" in workarounds:
-            stack.enter_context(implicit_replication())
-        if "math_attention" in workarounds:
-            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        model.fit(
-            x,
-            y,
-            sample_weight=sample_weight,
-            batch_size=BATCH,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            callbacks=[losses],
-        )
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[losses],
+    )
     return model, initial_weights, losses.losses
-
-
-def train_distributed(name):
-    """Trains with the published layout map only, else with workarounds."""
-    set_distribution(name)
-    if name == "llama" and not cpu_attention_is_handled():
-        # Trying would spend minutes per attention call before failing.
-        error = (
-            f"no DTensor sharding rule for {CPU_ATTENTION.default}, which "
-            "scaled_dot_product_attention calls on CPU"
-        )
-    else:
-        try:
-            result = train(name)
-            record(f"{name}/out_of_box_error", None)
-            record(f"{name}/workarounds", [])
-            return result
-        except Exception as exception:  # noqa: BLE001 - reported
-            error = f"{type(exception).__name__}: {exception}"
-    record(f"{name}/out_of_box_error", error)
-    record(f"{name}/workarounds", WORKAROUNDS[name])
-    set_distribution(name, WORKAROUNDS[name])
-    return train(name, WORKAROUNDS[name])
 
 
 def record_run(prefix, model, initial_weights, losses):
@@ -224,23 +151,31 @@ def record_run(prefix, model, initial_weights, losses):
     record(f"{prefix}/paths", [v.path for v in model.weights])
 
 
-def run_train():
+def run(spec):
+    """Trains every backbone without, then with, the distribution."""
+    mesh, optimizer_name = spec.split(":")
     for name in BACKBONES:
-        record_run(f"reference/{name}", *train(name))
-    for name in BACKBONES:
-        model, initial_weights, losses = train_distributed(name)
-        record_run(name, model, initial_weights, losses)
+        keras.distribution.set_distribution(None)
+        record_run(f"{spec}/reference/{name}", *train(name, optimizer_name))
+        set_distribution(name, mesh)
+        model, initial_weights, losses = train(name, optimizer_name)
+        record_run(f"{spec}/{name}", model, initial_weights, losses)
         variables = {v.path: v for v in model.weights}
         for path in SHARDED_PATHS[name]:
             value = variables[path].value
             placements = [str(p) for p in value.placements]
-            record(f"{name}/placements/{path}", placements)
-            record(f"{name}/local_shape/{path}", list(value.to_local().shape))
+            record(f"{spec}/{name}/placements/{path}", placements)
+            record(
+                f"{spec}/{name}/local_shape/{path}",
+                list(value.to_local().shape),
+            )
+    keras.distribution.set_distribution(None)
 
 
 def main():
     keras.distribution.initialize()
-    run_train()
+    for spec in sys.argv[1:]:
+        run(spec)
     worker_utils.report()
 
 

@@ -7,6 +7,7 @@ DTensor placements, one per mesh axis.
 """
 
 import collections
+import contextlib
 import datetime
 import math
 import os
@@ -19,12 +20,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
 from keras.src.backend.common import global_state
 from keras.src.backend.common.keras_tensor import KerasTensor
+from keras.src.backend.torch import gradient_buckets
 
 TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_SECONDS = 600
@@ -246,7 +251,9 @@ def distribute_variable(value, layout, trainable=True, path=None):
         )
     parameter = torch.nn.Parameter(value, requires_grad=trainable)
     if trainable:
-        parameter.register_post_accumulate_grad_hook(_relayout_gradient)
+        parameter.register_post_accumulate_grad_hook(
+            gradient_buckets.reduce_gradient_when_ready
+        )
     return parameter
 
 
@@ -283,8 +290,9 @@ def distribute_tensor(tensor, layout):
     Nested structures are distributed leaf by leaf with the same layout.
     Symbolic tensors and non-tensors are returned unchanged, so functional
     model construction is never affected. A DTensor is redistributed to the
-    layout (differentiably); a plain tensor is taken as the full value held
-    by process 0.
+    layout, and, as with JAX's sharding constraints, so is its gradient in
+    the backward pass; a plain tensor is taken as the full value held by
+    process 0.
 
     Args:
         tensor: a tensor or a nested structure of tensors.
@@ -304,10 +312,276 @@ def distribute_tensor(tensor, layout):
             return x
         validate_layout(x.shape, layout, require_divisible=False)
         if isinstance(x, DTensor):
+            if x.requires_grad and x.device_mesh == layout.mesh:
+                return _ConstrainLayout.apply(x, layout.mesh, layout.placements)
             return _relayout(x, layout)
         return _dtensor_distribute(x, layout.mesh, layout.placements)
 
     return tree.map_structure(distribute_one, tensor)
+
+
+class _ConstrainLayout(torch.autograd.Function):
+    """Lays out a DTensor, and its gradient in the backward pass, alike.
+
+    Left to itself, DTensor hands the gradient of a redistribution back in
+    the input's placements, and the layers before pick placements for it
+    that may cost more collectives. Constraining the gradient to the layout
+    the user gave the value (as JAX transposes a sharding constraint into
+    the same constraint) reduces a partial-sum gradient where the layout is
+    replicated: the single backward all-reduce of a tensor-parallel block.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh, placements):
+        ctx.mesh = mesh
+        ctx.placements = placements
+        if tuple(x.placements) == tuple(placements):
+            return x.view_as(x)
+        return x.redistribute(mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad, None, None
+
+
+@contextlib.contextmanager
+def replicate_created_tensors(device_mesh):
+    """Makes tensors created inside the context replicated DTensors.
+
+    Inside a distributed step, every tensor computed from the (distributed)
+    inputs and variables is a DTensor. The others are created from Python
+    values alone: masks from `ops.arange`, constants from
+    `convert_to_tensor`, random values from a seed. All processes run the
+    same program with the same seed, so such a tensor is identical on every
+    process; in this context it becomes a DTensor replicated on
+    `device_mesh` as it is created, and meets other DTensors as one.
+
+    Dropout applied to a DTensor draws its mask for the global shape from
+    the (shared) torch generator, so that, as on JAX, processes of one
+    model replica use the same mask and data-parallel shards use different
+    parts of it. DTensor does that itself on meshes whose device has an
+    offset-based generator (CUDA); on CPU it would draw each shard's mask
+    from the same generator state.
+
+    Args:
+        device_mesh: the Keras `DeviceMesh` of the distribution.
+    """
+    with _ReplicateCreatedTensors(device_mesh.backend_mesh):
+        yield
+
+
+class _ReplicateCreatedTensors(TorchFunctionMode):
+    """The torch function mode of `replicate_created_tensors`."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.replicated = [Replicate()] * mesh.ndim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_FUNCTIONS and self.draws_locally(args):
+            if func is torch.nn.functional.dropout:
+                return self.dropout(*args, **kwargs)
+            return self.draw_for_global_shape(func, args, kwargs)
+        if func is torch.nn.functional.embedding:
+            args = _replicate_lookup_indices(*args)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            args, kwargs = _align_attention_mask(args, kwargs)
+        if func in _CREATION_FUNCTIONS:
+            value = func(*args, **kwargs)
+            if _created_from_python_values(value, args, kwargs):
+                return self.replicate(value)
+            return value
+        return _reduce_single_use_partials(func(*args, **kwargs))
+
+    def replicate(self, value):
+        return DTensor.from_local(
+            value, self.mesh, self.replicated, run_check=False
+        )
+
+    def draws_locally(self, args):
+        """Whether DTensor would draw random values shard by shard.
+
+        DTensor draws globally consistent values only with its offset-based
+        generator (CUDA); otherwise each process draws for its own shard,
+        and DTensor drops a `generator=` argument.
+        """
+        return (
+            bool(args)
+            and isinstance(args[0], DTensor)
+            and args[0].device_mesh.device_type == "cpu"
+        )
+
+    def draw_for_global_shape(self, func, args, kwargs):
+        """Runs a random function on full values, then lays the result out.
+
+        Every process draws the same values for the global shape (with the
+        given generator, if any), and keeps its part of them.
+        """
+        first = args[0]
+        full_args, full_kwargs = tree.map_structure(
+            lambda x: x.full_tensor() if isinstance(x, DTensor) else x,
+            (args, kwargs),
+        )
+        value = func(*full_args, **full_kwargs)
+        placements = [
+            Replicate() if p.is_partial() else p for p in first.placements
+        ]
+        return _dtensor_distribute(
+            value, first.device_mesh, placements, src_data_rank=None
+        )
+
+    def dropout(self, inputs, p=0.5, training=True, inplace=False):
+        """`torch.nn.functional.dropout` with a mask of the global shape.
+
+        The mask is drawn as the CPU kernel draws it for a plain tensor, so
+        the values equal a single-process run's with the same seed.
+        """
+        if not training or p == 0.0:
+            return inputs
+        keep = 1.0 - p
+        noise = torch.empty(
+            inputs.shape, dtype=inputs.dtype, device=inputs.device
+        )
+        if keep == 0.0:
+            noise.zero_()
+        else:
+            noise.bernoulli_(keep).div_(keep)
+        noise = self.replicate(noise)
+        if inplace:
+            return inputs.mul_(noise)
+        return inputs * noise
+
+
+# Torch functions that draw random values for a tensor argument.
+_RANDOM_FUNCTIONS = frozenset(
+    [
+        torch.bernoulli,
+        torch.multinomial,
+        torch.normal,
+        torch.poisson,
+        torch.rand_like,
+        torch.randint_like,
+        torch.randn_like,
+        torch.nn.functional.dropout,
+    ]
+)
+# Torch functions that create a tensor from Python values alone.
+_CREATION_FUNCTIONS = frozenset(
+    [
+        torch.arange,
+        torch.as_tensor,
+        torch.asarray,
+        torch.empty,
+        torch.eye,
+        torch.from_numpy,
+        torch.full,
+        torch.linspace,
+        torch.logspace,
+        torch.normal,
+        torch.ones,
+        torch.rand,
+        torch.randint,
+        torch.randn,
+        torch.randperm,
+        torch.scalar_tensor,
+        torch.tensor,
+        torch.tril_indices,
+        torch.triu_indices,
+        torch.zeros,
+    ]
+)
+
+
+def _replicate_lookup_indices(indices, table, *args):
+    """Replicates embedding indices on the mesh axes that shard the table.
+
+    DTensor needs the indices replicated there anyway. Redistributing them
+    first avoids a DTensor ordering problem: when the indices are split on
+    an axis that splits the table's rows on another axis, the lookup's
+    mask was taken from the unreduced indices and did not fit the result.
+    """
+    if not (isinstance(indices, DTensor) and isinstance(table, DTensor)):
+        return (indices, table, *args)
+    placements = [
+        Replicate() if table_placement.is_shard() else placement
+        for placement, table_placement in zip(
+            indices.placements, table.placements
+        )
+    ]
+    if placements != list(indices.placements):
+        indices = indices.redistribute(indices.device_mesh, placements)
+    return (indices, table, *args)
+
+
+def _align_attention_mask(args, kwargs):
+    """Lays out attention inputs and mask so that they fit each other.
+
+    DTensor does not redistribute keyword arguments such as `attn_mask`,
+    so queries, keys and values are first brought to a placement the
+    attention rules accept as is (split by batch or by head, else
+    replicated), and the mask to the matching placement (split like the
+    queries where it has a batch or head dimension of its own).
+    """
+    query, key, value = args[:3]
+    mask = kwargs.get("attn_mask")
+    if not (isinstance(query, DTensor) and isinstance(mask, DTensor)):
+        return args, kwargs
+    placements = [
+        p if p.is_shard() and p.dim in (0, 1) else Replicate()
+        for p in query.placements
+    ]
+    mesh = query.device_mesh
+    query, key, value = (
+        x.redistribute(mesh, placements) if isinstance(x, DTensor) else x
+        for x in (query, key, value)
+    )
+    mask_placements = [
+        p if p.is_shard() and _mask_splits(mask.shape, p.dim) else Replicate()
+        for p in placements
+    ]
+    kwargs = dict(kwargs, attn_mask=mask.redistribute(mesh, mask_placements))
+    return (query, key, value, *args[3:]), kwargs
+
+
+def _mask_splits(mask_shape, dim):
+    """Whether an attention mask has dimension `dim` (batch or head)."""
+    return len(mask_shape) == 4 and mask_shape[dim] > 1
+
+
+def _reduce_single_use_partials(value):
+    """Reduces a lookup result that DTensor could reduce only once.
+
+    A lookup into a table sharded along the looked-up dimension (as in an
+    embedding with a vocabulary-sharded table) gives a `_MaskPartial`
+    DTensor: each process holds the rows it owns. DTensor frees the mask at
+    the first reduction, so a second consumer of the same value fails. The
+    value is reduced (all-reduced) once, as it is made, instead.
+    """
+    if type(value) is not DTensor:
+        return value
+    placements = value.placements
+    if not any(isinstance(p, _MaskPartial) for p in placements):
+        return value
+    reduced = [
+        Replicate() if isinstance(p, _MaskPartial) else p for p in placements
+    ]
+    return value.redistribute(value.device_mesh, reduced)
+
+
+def _created_from_python_values(value, args, kwargs):
+    """Whether `value` is a plain multi-element tensor made from no tensor."""
+    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+        return False
+    if value.numel() <= 1 or value.device.type == "meta":
+        # DTensor treats one-element tensors as replicated already, and
+        # meta tensors (shape inference) hold no values.
+        return False
+    leaves = tree.flatten((args, kwargs))
+    return not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
@@ -579,22 +853,6 @@ def _relayout(value, layout):
     )
 
 
-def _relayout_gradient(parameter):
-    """Brings an accumulated gradient to its parameter's placements.
-
-    Gradients of replicated parameters computed from batch-sharded inputs
-    come out as partial sums; reducing them here, once, keeps the optimizer
-    free of collectives.
-    """
-    grad = parameter.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
-        parameter.placements
-    ):
-        parameter.grad = grad.redistribute(
-            parameter.device_mesh, parameter.placements
-        )
-
-
 def _is_batch_array(x):
     return (
         isinstance(x, (torch.Tensor, np.ndarray)) and len(x.shape) > 0
@@ -751,26 +1009,60 @@ def _init_process_group(job_addresses, num_processes, process_id):
     dist.init_process_group(backend=backend, **kwargs)
 
 
+def _cpu_attention_sharding(query, key, value, *args, **kwargs):
+    """Sharding rules of the CPU flash-attention forward.
+
+    DTensor has rules for the CUDA attention kernels but not for the one
+    `scaled_dot_product_attention` uses on CPU. Like its CUDA counterparts,
+    it runs replicated, or split by batch (dim 0) or by head (dim 1), with
+    query, key, value, output and log-sum-exp split the same way.
+    """
+    return _attention_strategies(2, 3, args, kwargs)
+
+
 def _cpu_attention_backward_sharding(
     grad_out, query, key, value, out, logsumexp, *args, **kwargs
 ):
     """Sharding rules of the CPU flash-attention backward.
 
-    DTensor has rules for the CUDA attention kernels but not for this one,
-    which `scaled_dot_product_attention` uses on CPU: like its CUDA
-    counterpart, it is replicated, or split by batch (dim 0) or by head
-    (dim 1), with every tensor split the same way.
+    As for the forward: replicated, or every tensor split by batch or by
+    head alike.
     """
-    non_tensors = [None] * len(args)
-    strategies = [([Replicate()] * 3, [Replicate()] * 6 + non_tensors)]
-    if kwargs.get("attn_mask") is None:
-        for dim in (0, 1):
-            strategies.append(
-                ([Shard(dim)] * 3, [Shard(dim)] * 6 + non_tensors)
-            )
+    return _attention_strategies(3, 6, args, kwargs)
+
+
+def _attention_strategies(num_outputs, num_inputs, args, kwargs):
+    """Replicated, batch-split and head-split attention strategies.
+
+    DTensor does not redistribute keyword arguments, so an attention mask
+    (`attn_mask=`) must already be laid out as a strategy needs: split like
+    the queries where it has a batch or head dimension of its own,
+    replicated where it broadcasts. `_align_attention_mask` lays the inputs
+    out so that the strategy DTensor picks (the one needing no
+    redistribution) is the one the mask was laid out for.
+    """
+    mask = kwargs.get("attn_mask")
+    strategies = []
+    for placement in (Replicate(), Shard(0), Shard(1)):
+        mask_placement = Replicate()
+        if mask is not None and placement.is_shard():
+            if _mask_splits(mask.shape, placement.dim):
+                mask_placement = placement
+        others = [None] * len(args) + [
+            mask_placement if isinstance(v, DTensorSpec) else None
+            for v in kwargs.values()
+        ]
+        strategies.append(
+            ([placement] * num_outputs, [placement] * num_inputs + others)
+        )
     return strategies
 
 
 register_sharding(
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 )(_cpu_attention_backward_sharding)
+
+
+register_sharding(
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+)(_cpu_attention_sharding)

@@ -1,0 +1,111 @@
+"""Counts the collectives of one training step under a distribution.
+
+Usage: collectives_worker.py RUN [RUN ...] (under torchrun), each RUN
+being `MODE:OPTIMIZER[:CAP]`:
+  MODE: `dp` (`DataParallel`, a 3-layer MLP) or `tp` (`ModelParallel` on a
+    (1, N) mesh, a replicated layer, then a Megatron MLP block: column-
+    then row-parallel kernels, then a replicated head).
+  OPTIMIZER: `sgd` (with momentum) or `adamw`.
+  CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
+After two warm-up steps, one `train_on_batch` runs under `CommDebugMode`;
+the counts per collective are reported under `<RUN>/counts`, with the
+number of trainable variables, the losses, and the losses of the same
+model trained without a distribution on the same batches.
+"""
+
+import os
+import sys
+
+import numpy as np
+import worker_utils
+from torch.distributed.tensor.debug import CommDebugMode
+from worker_utils import record
+
+import keras
+
+BATCH, FEATURES, HIDDEN = 8, 16, 32
+
+
+def build(mode):
+    """A 3-layer MLP for `dp`, the Megatron block model for `tp`."""
+    inputs = keras.Input((FEATURES,))
+    if mode == "dp":
+        x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(inputs)
+        x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
+    else:
+        # A replicated layer, so that the block's input needs a gradient.
+        x = keras.layers.Dense(FEATURES, activation="relu", name="pre")(inputs)
+        x = keras.layers.Dense(HIDDEN, activation="relu", name="up")(x)
+        x = keras.layers.Dense(FEATURES, name="down")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
+def set_distribution(mode):
+    devices = keras.distribution.list_devices()
+    if mode == "single":
+        keras.distribution.set_distribution(None)
+        return
+    if mode == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+        return
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ("batch", "model"), devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["pre/output"] = ("batch", None)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    layout_map["down/output"] = ("batch", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+
+
+def train(mode, optimizer_name, distributed=True):
+    """Returns the model and its losses over 3 steps (the last counted)."""
+    set_distribution(mode if distributed else "single")
+    keras.utils.set_random_seed(7)
+    model = build(mode)
+    optimizer = (
+        keras.optimizers.SGD(0.1, momentum=0.9)
+        if optimizer_name == "sgd"
+        else keras.optimizers.AdamW(0.01)
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, BATCH, FEATURES)).astype("float32")
+    y = rng.normal(size=(3, BATCH, 4)).astype("float32")
+    losses = [float(model.train_on_batch(x[i], y[i])) for i in range(2)]
+    with CommDebugMode() as comm:
+        losses.append(float(model.train_on_batch(x[2], y[2])))
+    counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+    return model, losses, counts
+
+
+def run(spec):
+    mode, optimizer_name, *cap = spec.split(":")
+    if cap:
+        os.environ["KERAS_DTENSOR_BUCKET_CAP_MB"] = cap[0]
+    model, losses, counts = train(mode, optimizer_name)
+    os.environ.pop("KERAS_DTENSOR_BUCKET_CAP_MB", None)
+    record(f"{spec}/counts", counts)
+    record(f"{spec}/trainable", len(model.trainable_variables))
+    record(f"{spec}/losses", losses)
+    _, reference, _ = train(mode, optimizer_name, distributed=False)
+    record(f"{spec}/reference_losses", reference)
+    keras.distribution.set_distribution(None)
+
+
+def main():
+    keras.distribution.initialize()
+    for spec in sys.argv[1:]:
+        run(spec)
+    worker_utils.report()
+
+
+if __name__ == "__main__":
+    main()

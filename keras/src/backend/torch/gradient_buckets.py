@@ -1,0 +1,259 @@
+"""Bucketed gradient reduction, overlapped with the backward pass.
+
+A replicated parameter used with batch-sharded inputs receives its gradient
+as a DTensor that is a partial sum over the data-parallel mesh axes. This
+module brings such gradients to their parameter's placements the way DDP
+does: as each gradient is accumulated, it joins a bucket of gradients that
+need the same reduction; a full bucket is flattened and all-reduced
+asynchronously while backward goes on; when backward ends, the remaining
+buckets are sent and every gradient becomes a view of its reduced bucket,
+laid out like its parameter. Each gradient is thus reduced exactly once per
+step, and the optimizer never meets a partial gradient.
+
+Buckets are filled in the order the autograd engine accumulates gradients,
+which is the same on every process since every process runs the same
+program; collectives are therefore issued in the same order everywhere.
+Gradients that need anything other than an all-reduce of partial sums (for
+instance a reduce-scatter to a sharded parameter) are redistributed by
+DTensor directly.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Partial
+
+BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_BUCKET_CAP_MB"
+DEFAULT_BUCKET_CAP_MB = 25
+# As in DDP, the first bucket is small so that communication starts early.
+FIRST_BUCKET_CAP_BYTES = 2**20
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class _Bucket:
+    """Gradients that share one mesh, dtype and partial-sum reduction."""
+
+    def __init__(self, mesh, partial_dims, reduce_op):
+        self.mesh = mesh
+        self.partial_dims = partial_dims
+        self.reduce_op = reduce_op
+        self.entries = []
+        self.nbytes = 0
+        self.flat = None
+        self.work = None
+
+    def add(self, parameter, grad):
+        local = grad.to_local()
+        self.entries.append((parameter, grad.shape, grad.stride(), local))
+        self.nbytes += local.numel() * local.element_size()
+
+    def launch(self):
+        """Flattens the bucket and starts reducing it over its first axis."""
+        self.flat = torch.cat([entry[-1].reshape(-1) for entry in self.entries])
+        # Keep only the shapes: the unreduced gradients can be freed.
+        self.entries = [
+            entry[:-1] + (entry[-1].shape,) for entry in self.entries
+        ]
+        self.work = dist.all_reduce(
+            self.flat,
+            op=_REDUCE_OPS[self.reduce_op],
+            group=self.mesh.get_group(self.partial_dims[0]),
+            async_op=True,
+        )
+
+    def finish(self):
+        """Waits for the reduction and hands each parameter its gradient."""
+        self.work.wait()
+        for mesh_dim in self.partial_dims[1:]:
+            dist.all_reduce(
+                self.flat,
+                op=_REDUCE_OPS[self.reduce_op],
+                group=self.mesh.get_group(mesh_dim),
+            )
+        if self.reduce_op == "avg":
+            self.flat /= _group_size(self.mesh, self.partial_dims)
+        offset = 0
+        for parameter, shape, stride, local_shape in self.entries:
+            numel = local_shape.numel()
+            local = self.flat[offset : offset + numel].view(local_shape)
+            offset += numel
+            parameter.grad = DTensor.from_local(
+                local,
+                self.mesh,
+                parameter.placements,
+                run_check=False,
+                shape=shape,
+                stride=stride,
+            )
+
+
+class _PendingReduction:
+    """The buckets of the backward pass in progress."""
+
+    def __init__(self):
+        self.open = {}
+        self.launched = []
+        self.finalizer_queued = False
+
+
+_PENDING = _PendingReduction()
+
+
+def reduce_gradient_when_ready(parameter):
+    """Post-accumulate-grad hook of a distributed parameter.
+
+    Args:
+        parameter: a `torch.nn.Parameter` holding a DTensor, whose `grad`
+            was just accumulated.
+    """
+    grad = parameter.grad
+    if not isinstance(grad, DTensor):
+        return
+    placements = tuple(parameter.placements)
+    if tuple(grad.placements) == placements:
+        return
+    reduction = _partial_sum_reduction(grad, placements)
+    if reduction is not None and not reduction[0]:
+        parameter.grad = _relabel(grad, placements)
+        return
+    if reduction is None or not _queue_finalizer():
+        parameter.grad = _redistribute_gradient(grad, parameter)
+        return
+    key = (grad.device_mesh, tuple(grad.placements), placements, grad.dtype)
+    bucket = _PENDING.open.get(key)
+    if bucket is None:
+        bucket = _Bucket(grad.device_mesh, *reduction)
+        _PENDING.open[key] = bucket
+    bucket.add(parameter, grad)
+    if bucket.nbytes >= _bucket_cap_bytes():
+        _launch(key)
+
+
+def _partial_sum_reduction(grad, placements):
+    """Returns `(partial mesh dims, reduce op)` if an all-reduce suffices.
+
+    That is the case when, on every mesh axis, the gradient's placement is
+    its parameter's, or a partial sum where the parameter is replicated.
+    Mesh axes of size 1 need no communication whatever the placements; when
+    only those differ, the partial mesh dims are empty. Returns None when an
+    all-reduce does not suffice.
+    """
+    partial_dims = []
+    reduce_ops = set()
+    mesh = grad.device_mesh
+    for mesh_dim, (current, target) in enumerate(
+        zip(grad.placements, placements)
+    ):
+        if current == target or _mesh_dim_size(mesh, mesh_dim) == 1:
+            continue
+        if type(current) is not Partial or not isinstance(target, Replicate):
+            return None
+        partial_dims.append(mesh_dim)
+        reduce_ops.add(current.reduce_op)
+    if not partial_dims:
+        return (), None
+    if len(reduce_ops) != 1:
+        return None
+    (reduce_op,) = reduce_ops
+    if reduce_op not in _REDUCE_OPS:
+        return None
+    return tuple(partial_dims), reduce_op
+
+
+def _queue_finalizer():
+    """Arranges for `_finish_backward` to run when backward ends.
+
+    Returns False when no backward pass is running (the gradient was then
+    not produced by the autograd engine), in which case nothing is queued.
+    """
+    if _PENDING.finalizer_queued:
+        return True
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            _finish_backward
+        )
+    except RuntimeError:
+        return False
+    _PENDING.finalizer_queued = True
+    return True
+
+
+def _launch(key):
+    bucket = _PENDING.open.pop(key)
+    bucket.launch()
+    _PENDING.launched.append(bucket)
+
+
+def _finish_backward():
+    """Sends the remaining buckets and installs every reduced gradient."""
+    global _PENDING
+
+    pending = _PENDING
+    _PENDING = _PendingReduction()
+    with torch.no_grad():
+        for bucket in pending.open.values():
+            bucket.launch()
+            pending.launched.append(bucket)
+        for bucket in pending.launched:
+            bucket.finish()
+
+
+def _relabel(grad, placements):
+    """The same local values, with placements that differ on size-1 axes."""
+    return DTensor.from_local(
+        grad.to_local(),
+        grad.device_mesh,
+        placements,
+        run_check=False,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )
+
+
+def _redistribute_gradient(grad, parameter):
+    """Redistributes one gradient to its parameter's placements.
+
+    A shard cut out of a larger buffer is copied, so that the full buffer
+    is not kept alive by the gradient.
+    """
+    grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+    local = grad.to_local()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        grad = DTensor.from_local(
+            local.clone(),
+            grad.device_mesh,
+            grad.placements,
+            run_check=False,
+            shape=grad.shape,
+            stride=grad.stride(),
+        )
+    return grad
+
+
+def _bucket_cap_bytes():
+    """The bucket size at which a bucket is sent (smaller for the first)."""
+    megabytes = float(os.environ.get(BUCKET_CAP_ENV_VAR, DEFAULT_BUCKET_CAP_MB))
+    cap = int(megabytes * 2**20)
+    if not _PENDING.launched:
+        return min(cap, FIRST_BUCKET_CAP_BYTES)
+    return cap
+
+
+def _mesh_dim_size(mesh, mesh_dim):
+    return mesh.size(mesh_dim)
+
+
+def _group_size(mesh, mesh_dims):
+    size = 1
+    for mesh_dim in mesh_dims:
+        size *= mesh.size(mesh_dim)
+    return size

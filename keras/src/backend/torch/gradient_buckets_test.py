@@ -1,0 +1,182 @@
+"""Single-process tests of bucketed gradient reduction.
+
+A one-process mesh still produces partial-sum gradients for replicated
+parameters used with batch-sharded inputs, so the bucketing logic runs in
+full here; values across processes are checked by the integration tests.
+"""
+
+import os
+from unittest import mock
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import Partial
+
+from keras.src import testing
+from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch import gradient_buckets
+from keras.src.distribution import distribution_lib as distribution_api
+
+
+def one_process_mesh():
+    mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+    return distribution_lib._to_backend_mesh(mesh)
+
+
+def replicated_parameters(mesh, shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    parameters = []
+    for shape in shapes:
+        value = torch.randn(shape, generator=generator)
+        parameter = torch.nn.Parameter(
+            distribute_tensor(value, mesh, [Replicate()])
+        )
+        parameter.register_post_accumulate_grad_hook(
+            gradient_buckets.reduce_gradient_when_ready
+        )
+        parameters.append(parameter)
+    return parameters
+
+
+def mlp_loss(parameters, mesh, observe=None):
+    """A chain of matmuls on a batch-sharded input; returns the loss."""
+    x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+    h = distribute_tensor(x, mesh, [Shard(0)])
+    for i, weight in enumerate(parameters):
+        h = torch.tanh(h @ weight)
+        if i == 0 and observe is not None:
+            h.register_hook(observe)
+    return (h**2).sum()
+
+
+class GradientBucketsTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.mesh = one_process_mesh()
+        self.shapes = [(8, 16), (16, 16), (16, 4)]
+        # Reduce over the one-process mesh axis as if it were larger; an
+        # all-reduce over one process leaves the values as they are.
+        patcher = mock.patch.object(
+            gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
+        )
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def reference_gradients(self):
+        parameters = [
+            torch.nn.Parameter(p.detach().full_tensor())
+            for p in replicated_parameters(self.mesh, self.shapes)
+        ]
+        x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+        h = x
+        for weight in parameters:
+            h = torch.tanh(h @ weight)
+        (h**2).sum().backward()
+        return [p.grad.numpy() for p in parameters]
+
+    def test_gradients_are_reduced_to_parameter_placements(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        mlp_loss(parameters, self.mesh).backward()
+        for parameter, expected in zip(parameters, self.reference_gradients()):
+            self.assertIsInstance(parameter.grad, DTensor)
+            self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+
+    def test_one_bucket_holds_every_small_gradient(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        with mock.patch.object(
+            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+        ) as all_reduce:
+            mlp_loss(parameters, self.mesh).backward()
+        self.assertEqual(all_reduce.call_count, 1)
+        flat = all_reduce.call_args.args[0]
+        self.assertEqual(flat.numel(), sum(np.prod(s) for s in self.shapes))
+        # Gradients are views of the reduced bucket: no extra copies.
+        for parameter in parameters:
+            self.assertEqual(
+                parameter.grad.to_local().untyped_storage().data_ptr(),
+                flat.untyped_storage().data_ptr(),
+            )
+
+    def test_small_cap_sends_buckets_during_backward(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        launched_before_end = []
+
+        def observe(grad):
+            # Runs when backward reaches the first layer's output, before
+            # the first layer's gradient exists.
+            launched_before_end.append(len(gradient_buckets._PENDING.launched))
+
+        with mock.patch.dict(
+            os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: "0"}
+        ):
+            with mock.patch.object(
+                torch.distributed,
+                "all_reduce",
+                wraps=torch.distributed.all_reduce,
+            ) as all_reduce:
+                mlp_loss(parameters, self.mesh, observe=observe).backward()
+        self.assertEqual(all_reduce.call_count, len(parameters))
+        self.assertEqual(launched_before_end, [2])
+        for parameter, expected in zip(parameters, self.reference_gradients()):
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+
+    def test_partial_sum_reduction_plans(self):
+        partial = DTensor.from_local(
+            torch.ones(4), self.mesh, [Partial()], run_check=False
+        )
+        self.assertEqual(
+            gradient_buckets._partial_sum_reduction(partial, (Replicate(),)),
+            ((0,), "sum"),
+        )
+        # A reduce-scatter to a sharded parameter is left to DTensor.
+        self.assertIsNone(
+            gradient_buckets._partial_sum_reduction(partial, (Shard(0),))
+        )
+
+    def test_gradient_outside_backward_is_redistributed_at_once(self):
+        (parameter,) = replicated_parameters(self.mesh, [(4,)])
+        parameter.grad = DTensor.from_local(
+            torch.full((4,), 3.0), self.mesh, [Partial()], run_check=False
+        )
+        gradient_buckets.reduce_gradient_when_ready(parameter)
+        self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
+        self.assertAllClose(parameter.grad.to_local().numpy(), np.full(4, 3.0))
+        self.assertEqual(gradient_buckets._PENDING.open, {})
+
+    def test_sharded_gradient_does_not_keep_the_full_buffer(self):
+        parameter = torch.nn.Parameter(
+            distribute_tensor(torch.zeros(8, 4), self.mesh, [Shard(0)])
+        )
+        # The local gradient is a slice of a buffer twice its size.
+        buffer = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+        grad = DTensor.from_local(
+            buffer[:8], self.mesh, [Replicate()], run_check=False
+        )
+        lean = gradient_buckets._redistribute_gradient(grad, parameter)
+        local = lean.to_local()
+        self.assertEqual(
+            local.untyped_storage().nbytes(),
+            local.numel() * local.element_size(),
+        )
+        self.assertAllClose(lean.full_tensor().numpy(), buffer[:8].numpy())
+
+
+class SizeOneMeshAxisTest(testing.TestCase):
+    def test_partial_sum_over_one_process_is_relabelled(self):
+        mesh = one_process_mesh()
+        parameters = replicated_parameters(mesh, [(8, 4)])
+        with mock.patch.object(
+            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+        ) as all_reduce:
+            mlp_loss(parameters, mesh).backward()
+        self.assertEqual(all_reduce.call_count, 0)
+        self.assertEqual(tuple(parameters[0].grad.placements), (Replicate(),))
