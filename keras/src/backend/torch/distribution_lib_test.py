@@ -288,6 +288,67 @@ class SingleProcessDistributionTest(testing.TestCase):
             distribution_lib.all_reduce(np.ones(2), op="prod")
 
 
+class ReplicateCreatedTensorsTest(testing.TestCase):
+    """Tensors made from Python values inside a step are replicated."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        self.backend_mesh = self.mesh.backend_mesh
+
+    def test_factories_make_replicated_dtensors(self):
+        with distribution_lib.replicate_created_tensors(self.mesh):
+            positions = torch.arange(6)
+            constants = torch.as_tensor(np.ones((2, 3), dtype="float32"))
+            scalar = torch.tensor(2.0)
+            meta = torch.ones(3, device="meta")
+        for value in (positions, constants):
+            self.assertIsInstance(value, DTensor)
+            self.assertEqual(tuple(value.placements), (Replicate(),))
+        self.assertAllClose(positions.to_local().numpy(), np.arange(6))
+        # One-element and meta tensors stay plain.
+        self.assertNotIsInstance(scalar, DTensor)
+        self.assertNotIsInstance(meta, DTensor)
+
+    def test_tensors_from_tensors_stay_plain(self):
+        plain = torch.ones(3)
+        with distribution_lib.replicate_created_tensors(self.mesh):
+            copied = torch.as_tensor(plain)
+            doubled = plain * 2
+        self.assertNotIsInstance(copied, DTensor)
+        self.assertNotIsInstance(doubled, DTensor)
+
+    def test_outside_the_context_nothing_changes(self):
+        self.assertNotIsInstance(torch.arange(6), DTensor)
+
+    def test_random_draws_use_the_given_generator(self):
+        probabilities = torch.full((4, 6), 0.5)
+        expected = torch.bernoulli(
+            probabilities, generator=torch.Generator().manual_seed(5)
+        )
+        with distribution_lib.replicate_created_tensors(self.mesh):
+            drawn = torch.bernoulli(
+                torch.full((4, 6), 0.5),
+                generator=torch.Generator().manual_seed(5),
+            )
+        self.assertIsInstance(drawn, DTensor)
+        self.assertAllClose(drawn.to_local().numpy(), expected.numpy())
+
+    def test_dropout_mask_equals_the_plain_one(self):
+        x = torch.ones(8, 5)
+        torch.manual_seed(3)
+        expected = torch.nn.functional.dropout(x, p=0.4, training=True)
+        inputs = DTensor.from_local(
+            x, self.backend_mesh, [Shard(0)], run_check=False
+        )
+        torch.manual_seed(3)
+        with distribution_lib.replicate_created_tensors(self.mesh):
+            dropped = torch.nn.functional.dropout(inputs, p=0.4, training=True)
+            kept = torch.nn.functional.dropout(inputs, p=0.4, training=False)
+        self.assertAllClose(dropped.full_tensor().numpy(), expected.numpy())
+        self.assertIs(kept, inputs)
+
+
 @pytest.mark.parametrize(
     "addresses,num_processes",
     [("10.0.0.1:1234,10.0.0.2:2345,10.0.0.3:1", 2)],
