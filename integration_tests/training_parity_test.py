@@ -22,6 +22,7 @@ RUNS = {
         "dp:mlp:sgd:uneven,dict",
         "dp:mlp:adamw:pydataset",
         "dp:mlp:sgd:dataloader",
+        "dp:mlp:adamw:dropout",
         "mp:transformer:sgd",
         "mp:transformer:adamw",
     ],
