@@ -294,6 +294,31 @@ def edit_data_adapter_auto_shard(data_adapters):
     data_adapters.get_data_adapter = get_data_adapter
 
 
+def edit_callbacks_synchronous_under_distribution(callback_list_module):
+    """Under a distribution, batch callbacks run on the main thread.
+
+    Upstream dispatches batch-end callbacks on a worker thread when no
+    callback overrides them; converting the logs there gathers distributed
+    values, a collective that then interleaves with the main thread's in a
+    different order on each process, and the job hangs.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.common import global_state
+
+    callback_list = callback_list_module.CallbackList
+    upstream_configure = callback_list._configure_async_dispatch
+
+    def _configure_async_dispatch(self, callbacks):
+        upstream_configure(self, callbacks)
+        if global_state.get_global_attribute("distribution") is not None:
+            self._async_train = False
+            self._async_test = False
+            self._async_predict = False
+
+    callback_list._configure_async_dispatch = _configure_async_dispatch
+
+
 def edit_progbar_on_process_zero(progbar_module):
     """Only process 0 prints progress bars under a multi-process job.
 
@@ -335,6 +360,9 @@ POST_IMPORT_EDITS = {
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
     "keras.src.callbacks.progbar_logger": lambda: [
         edit_progbar_on_process_zero
+    ],
+    "keras.src.callbacks.callback_list": lambda: [
+        edit_callbacks_synchronous_under_distribution
     ],
 }
 

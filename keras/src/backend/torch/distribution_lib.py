@@ -386,6 +386,8 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
             if func is torch.nn.functional.dropout:
                 return self.dropout(*args, **kwargs)
             return self.draw_for_global_shape(func, args, kwargs)
+        if func in _REPEAT_FUNCTIONS:
+            args, kwargs = _repeats_as_int(args, kwargs)
         if func is torch.nn.functional.embedding:
             args = _replicate_lookup_indices(*args)
         if func is torch.nn.functional.scaled_dot_product_attention:
@@ -456,6 +458,9 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         return inputs * noise
 
 
+_REPEAT_FUNCTIONS = frozenset(
+    [torch.repeat_interleave, torch.Tensor.repeat_interleave]
+)
 # Torch functions that draw random values for a tensor argument.
 _RANDOM_FUNCTIONS = frozenset(
     [
@@ -494,6 +499,26 @@ _CREATION_FUNCTIONS = frozenset(
         torch.zeros,
     ]
 )
+
+
+def _repeats_as_int(args, kwargs):
+    """Passes a one-element `repeats` tensor of `repeat_interleave` as int.
+
+    With a tensor `repeats`, torch decomposes `repeat_interleave` below
+    DTensor into an index tensor of its own, which then meets the DTensor;
+    with an int, DTensor lays the result out itself.
+    """
+    if not (args and isinstance(args[0], DTensor)):
+        return args, kwargs
+    if len(args) > 1:
+        repeats = args[1]
+        if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
+            args = (args[0], int(repeats.item()), *args[2:])
+        return args, kwargs
+    repeats = kwargs.get("repeats")
+    if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
+        kwargs = dict(kwargs, repeats=int(repeats.item()))
+    return args, kwargs
 
 
 def _replicate_lookup_indices(indices, table, *args):
@@ -576,8 +601,8 @@ def _created_from_python_values(value, args, kwargs):
     """Whether `value` is a plain multi-element tensor made from no tensor."""
     if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
         return False
-    if value.numel() <= 1 or value.device.type == "meta":
-        # DTensor treats one-element tensors as replicated already, and
+    if value.ndim == 0 or value.device.type == "meta":
+        # DTensor treats 0-d tensors as replicated scalars already, and
         # meta tensors (shape inference) hold no values.
         return False
     leaves = tree.flatten((args, kwargs))
@@ -1066,3 +1091,19 @@ register_sharding(
 register_sharding(
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 )(_cpu_attention_sharding)
+
+
+def _scatter_reduce_sharding(self, dim, index, src, reduce, *args, **kwargs):
+    """Sharding rule of `scatter_reduce`, which DTensor lacks: replicated.
+
+    Keras's segment reductions (used by `AUC`) call it on small tensors.
+    """
+    specs = [Replicate(), None, Replicate(), Replicate(), None]
+    specs += [
+        Replicate() if isinstance(v, DTensorSpec) else None
+        for v in (*args, *kwargs.values())
+    ]
+    return [([Replicate()], specs)]
+
+
+register_sharding(torch.ops.aten.scatter_reduce.two)(_scatter_reduce_sharding)
