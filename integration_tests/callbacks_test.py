@@ -1,0 +1,86 @@
+"""Callbacks act identically on every rank and as on one process.
+
+`workers/callbacks_worker.py` trains with `EarlyStopping`,
+`ReduceLROnPlateau` and `TerminateOnNaN` (and the `History` that `fit`
+returns) without a distribution, and on 2 gloo processes under
+`DataParallel` and `ModelParallel` (1, 2). Every rank must stop at the
+same epoch, use the same learning rates and stop on the same NaN batch as
+the single-process run, with the same history.
+"""
+
+import harness
+import numpy as np
+import pytest
+
+MODES = ("dp", "mp")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    (single,) = harness.launch(
+        "callbacks_worker.py",
+        1,
+        tmp_path_factory.mktemp("callbacks_single"),
+        args=["single"],
+    )
+    distributed = harness.launch(
+        "callbacks_worker.py",
+        2,
+        tmp_path_factory.mktemp("callbacks"),
+        args=list(MODES),
+    )
+    return single, distributed
+
+
+def assert_histories_match(history, expected):
+    assert sorted(history) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-5)
+
+
+def test_single_process_callbacks_act(reports):
+    single, _ = reports
+    # The runs are set up so that every callback changes the run.
+    assert 1 < single["single/early_stopping/epochs"] < 30
+    rates = single["single/plateau/rates"]
+    assert rates[0] == pytest.approx(0.05)
+    assert min(rates) < rates[0]
+    assert single["single/nan/batches"] == 4
+    assert single["single/nan/stop_training"] is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_early_stopping_stops_at_the_same_epoch(reports, mode):
+    single, distributed = reports
+    for report in distributed:
+        assert (
+            report[f"{mode}/early_stopping/epochs"]
+            == single["single/early_stopping/epochs"]
+        )
+        assert_histories_match(
+            report[f"{mode}/early_stopping/history"],
+            single["single/early_stopping/history"],
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_lr_on_plateau_uses_the_same_rates(reports, mode):
+    single, distributed = reports
+    for report in distributed:
+        np.testing.assert_allclose(
+            report[f"{mode}/plateau/rates"],
+            single["single/plateau/rates"],
+            rtol=1e-6,
+        )
+        assert_histories_match(
+            report[f"{mode}/plateau/history"],
+            single["single/plateau/history"],
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_terminate_on_nan_stops_on_the_same_batch(reports, mode):
+    single, distributed = reports
+    for report in distributed:
+        assert report[f"{mode}/nan/batches"] == single["single/nan/batches"]
+        assert report[f"{mode}/nan/stop_training"] is True

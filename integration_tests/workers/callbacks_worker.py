@@ -1,0 +1,162 @@
+"""Training callbacks under a distribution, compared with one process.
+
+Usage: callbacks_worker.py MODE [MODE ...], MODE being `single`, `dp`
+(`DataParallel`) or `mp` (`ModelParallel` on a (1, N) mesh with sharded
+kernels). For each MODE it reports, under `<MODE>/...`:
+- `early_stopping`: the epochs run and the history when `EarlyStopping`
+  stops training on a loss that improves too slowly;
+- `plateau`: the learning rate at the start of every epoch under
+  `ReduceLROnPlateau`, and the history;
+- `nan`: the batches run before `TerminateOnNaN` stops training on a loss
+  that becomes NaN (one input row is NaN), and `model.stop_training`.
+"""
+
+import sys
+
+import numpy as np
+import worker_utils
+from worker_utils import record
+
+import keras
+
+SAMPLES, BATCH = 64, 8
+
+
+def set_distribution(mode):
+    devices = keras.distribution.list_devices()
+    if mode == "single":
+        keras.distribution.set_distribution(None)
+    elif mode == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+    else:
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ("batch", "model"), devices
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["up/kernel"] = (None, "model")
+        layout_map["down/kernel"] = ("model", None)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+
+
+def build(learning_rate=0.05):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    x = keras.layers.Dense(8, activation="relu", name="down")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),
+        loss="mse",
+    )
+    return model
+
+
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = (x[:, :1] * 2.0 + 0.1).astype("float32")
+    return x, y
+
+
+class LearningRates(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        rate = self.model.optimizer.learning_rate
+        self.rates.append(float(keras.ops.convert_to_numpy(rate)))
+
+
+class BatchCount(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def history_of(history):
+    return {k: [float(v) for v in vs] for k, vs in history.history.items()}
+
+
+def early_stopping(mode):
+    model = build()
+    x, y = data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=30,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.EarlyStopping(
+                monitor="loss", min_delta=0.05, patience=1
+            )
+        ],
+    )
+    record(f"{mode}/early_stopping/epochs", len(history.epoch))
+    record(f"{mode}/early_stopping/history", history_of(history))
+
+
+def plateau(mode):
+    model = build()
+    x, y = data()
+    rates = LearningRates()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=6,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.ReduceLROnPlateau(
+                monitor="loss", factor=0.5, patience=0, min_delta=0.05
+            ),
+            rates,
+        ],
+    )
+    record(f"{mode}/plateau/rates", rates.rates)
+    record(f"{mode}/plateau/history", history_of(history))
+
+
+def terminate_on_nan(mode):
+    model = build()
+    x, y = data()
+    x[3 * BATCH + 5, 2] = np.nan  # A row of the fourth batch.
+    batches = BatchCount()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN(), batches],
+    )
+    record(f"{mode}/nan/batches", batches.batches)
+    record(f"{mode}/nan/stop_training", bool(model.stop_training))
+
+
+def main():
+    modes = sys.argv[1:]
+    if any(mode != "single" for mode in modes):
+        keras.distribution.initialize()
+    for mode in modes:
+        set_distribution(mode)
+        early_stopping(mode)
+        plateau(mode)
+        terminate_on_nan(mode)
+        keras.distribution.set_distribution(None)
+    worker_utils.report()
+
+
+if __name__ == "__main__":
+    main()
