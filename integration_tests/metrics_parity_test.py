@@ -38,20 +38,6 @@ RUNS = {2: ["dp", "mp"], 4: ["2d", "dp"]}
 COUNTS = ("positives", "binary_true_positives", "binary_false_negatives")
 
 
-def launch_with_one_retry_on_gloo_abort(*args, **kwargs):
-    """Launches, retrying once if a rank aborted inside gloo.
-
-    README.md lists a rare gloo abort under heavy load as a known gap (see
-    `training_parity_test.py`). Any other failure fails the test.
-    """
-    try:
-        return harness.launch(*args, **kwargs)
-    except harness.WorkerFailure as failure:
-        if "SIGABRT" not in str(failure):
-            raise
-    return harness.launch(*args, **kwargs)
-
-
 class Launches:
     """The three launches, each run on first use and then kept.
 
@@ -67,7 +53,7 @@ class Launches:
         """Per-rank reports of the launch on `nprocs` processes."""
         if nprocs not in self.results:
             try:
-                self.results[nprocs] = launch_with_one_retry_on_gloo_abort(
+                self.results[nprocs] = harness.launch_retrying_gloo_abort(
                     "metrics_worker.py",
                     nprocs,
                     self.tmp_path_factory.mktemp(f"p{nprocs}"),

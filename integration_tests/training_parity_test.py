@@ -31,21 +31,6 @@ RUNS = {
 SHUFFLED = "dp:mlp:sgd:shuffle"
 
 
-def launch_with_one_retry_on_gloo_abort(*args, **kwargs):
-    """Launches, retrying once if a rank aborted inside gloo.
-
-    Under heavy load, a launch was seen to abort with gloo's "Received data
-    size doesn't match expected size" (SIGABRT); README.md lists it as a
-    known gap. Any other failure, or a second abort, fails the test.
-    """
-    try:
-        return harness.launch(*args, **kwargs)
-    except harness.WorkerFailure as failure:
-        if "SIGABRT" not in str(failure):
-            raise
-    return harness.launch(*args, **kwargs)
-
-
 def single(spec):
     return ":".join(["single"] + spec.split(":")[1:])
 
@@ -54,7 +39,7 @@ def single(spec):
 def launches(tmp_path_factory):
     """Three launches: references, 2 processes and 4 processes."""
     specs = [spec for runs in RUNS.values() for spec in runs]
-    references = launch_with_one_retry_on_gloo_abort(
+    references = harness.launch_retrying_gloo_abort(
         "training_worker.py",
         1,
         tmp_path_factory.mktemp("reference"),
@@ -62,7 +47,7 @@ def launches(tmp_path_factory):
         timeout=300,
     )[0]
     reports = {
-        nprocs: launch_with_one_retry_on_gloo_abort(
+        nprocs: harness.launch_retrying_gloo_abort(
             "training_worker.py",
             nprocs,
             tmp_path_factory.mktemp(f"p{nprocs}"),
@@ -166,6 +151,15 @@ def test_evaluate_and_predict_match_single_device(case):
         assert predictions.shape == np.asarray(ref["predict"]).shape
         np.testing.assert_allclose(
             predictions, np.asarray(ref["predict"]), atol=1e-5
+        )
+        # `model(x)` called directly returns the global batch as well.
+        np.testing.assert_allclose(
+            report["direct_call"], ref["direct_call"], atol=1e-5
+        )
+        np.testing.assert_allclose(
+            report["direct_call"],
+            predictions[: len(report["direct_call"])],
+            atol=1e-5,
         )
 
 

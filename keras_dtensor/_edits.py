@@ -267,6 +267,45 @@ def edit_trainer_input_distribution(trainer_module):
         wrap_maker(function_name)
 
 
+def edit_layer_call_distributes_inputs(layer_module):
+    """A direct call of a model or layer takes the global batch.
+
+    Under a distribution, calling `model(x)` outside `fit`, `evaluate` and
+    `predict` with arrays or plain tensors distributes them on entry as a
+    step does (the global batch, split along the batch axis), and runs the
+    call in `replicate_created_tensors`. Calls from inside another layer,
+    symbolic calls and calls without a distribution are upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+
+    upstream_call = layer_module.Layer.__call__
+
+    def __call__(self, *args, **kwargs):
+        distribution = global_state.get_global_attribute("distribution")
+        if (
+            distribution is None
+            or global_state.get_global_attribute("current_call_ctx") is not None
+        ):
+            return upstream_call(self, *args, **kwargs)
+        distribution_lib = _torch_distribution_lib()
+        if distribution_lib.replicating_created_tensors() or (
+            any_symbolic_tensors(args, kwargs)
+        ):
+            return upstream_call(self, *args, **kwargs)
+        args, kwargs = distribution_lib.distribute_data(
+            (args, kwargs), distribution
+        )
+        with distribution_lib.replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            return upstream_call(self, *args, **kwargs)
+
+    layer_module.Layer.__call__ = __call__
+
+
 def edit_data_adapter_auto_shard(data_adapters):
     """Multi-process auto-sharding accepts every input type on torch.
 
@@ -358,6 +397,7 @@ POST_IMPORT_EDITS = {
         edit_trainer_input_distribution
     ],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
+    "keras.src.layers.layer": lambda: [edit_layer_call_distributes_inputs],
     "keras.src.callbacks.progbar_logger": lambda: [
         edit_progbar_on_process_zero
     ],

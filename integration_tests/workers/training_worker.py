@@ -192,6 +192,9 @@ def train(run):
     )
     run.record("evaluate", {k: float(v) for k, v in evaluation.items()})
     run.record("predict", model.predict(x, batch_size=BATCH_SIZE, verbose=0))
+    # A direct call takes the global batch too.
+    direct = model(x[:BATCH_SIZE])
+    run.record("direct_call", keras.ops.convert_to_numpy(direct))
 
 
 def main():

@@ -43,6 +43,8 @@ DTensorLayout = collections.namedtuple(
 _BACKEND_MESHES = {}
 # Whether `initialize_rng` ran: variables are created from the shared seed.
 _SEED_SYNCHRONIZED = False
+# Whether `replicate_created_tensors` is active (it does not nest).
+_REPLICATING = False
 
 
 def list_devices(device_type=None):
@@ -368,8 +370,21 @@ def replicate_created_tensors(device_mesh):
     Args:
         device_mesh: the Keras `DeviceMesh` of the distribution.
     """
-    with _ReplicateCreatedTensors(device_mesh.backend_mesh):
+    global _REPLICATING
+    if _REPLICATING:
         yield
+        return
+    _REPLICATING = True
+    try:
+        with _ReplicateCreatedTensors(device_mesh.backend_mesh):
+            yield
+    finally:
+        _REPLICATING = False
+
+
+def replicating_created_tensors():
+    """Whether `replicate_created_tensors` is active."""
+    return _REPLICATING
 
 
 class _ReplicateCreatedTensors(TorchFunctionMode):
