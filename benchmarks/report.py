@@ -165,9 +165,15 @@ def _header(results):
     options = results["options"]
     load = machine.get("load_average", [math.nan] * 3)
     load_end = machine.get("load_average_end", [math.nan] * 3)
+    code = results.get("code") or {}
+    commit = code.get("commit") or "unknown"
+    if code.get("modified"):
+        commit += " + uncommitted " + ", ".join(code["modified"])
     return "\n".join(
         [
             f"Command: `{results['command']}`",
+            "",
+            f"Code: commit {commit}.",
             "",
             f"Machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs"
             f"{', ' + machine['cuda'] if machine.get('cuda') else ''}; "

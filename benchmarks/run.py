@@ -166,6 +166,29 @@ def machine_info():
     return info
 
 
+def code_state():
+    """The commit measured and the library files changed on top of it.
+
+    Returns:
+        A dict with `commit` (None outside a git checkout) and `modified`,
+        the uncommitted paths under `keras/` and `keras_dtensor/`.
+    """
+    root = os.path.dirname(HERE)
+
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=30
+        ).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip() or None
+        status = git("status", "--porcelain", "--", "keras", "keras_dtensor")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "modified": []}
+    modified = sorted(line[3:] for line in status.splitlines() if line)
+    return {"commit": commit, "modified": modified}
+
+
 def _cpu_model():
     try:
         output = subprocess.run(
@@ -425,6 +448,7 @@ def main(argv=None):
         "config": dataclasses.asdict(config),
         "options": options,
         "machine": machine_info(),
+        "code": code_state(),
         "cells": [],
         "overhead": [],
     }

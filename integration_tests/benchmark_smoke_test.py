@@ -149,3 +149,11 @@ def test_markdown_has_every_table(results):
     for title in ("Step time", "Collectives", "Per-rank memory", "Overhead"):
         assert title in text
     assert text.count("| mlp |") >= 3 * len(MODES)
+
+
+def test_results_record_the_code_measured(results):
+    code = results["code"]
+    assert set(code) == {"commit", "modified"}
+    assert code["commit"] is None or isinstance(code["commit"], str)
+    assert all(isinstance(path, str) for path in code["modified"])
+    assert "Code: commit" in results["markdown"]
