@@ -12,6 +12,7 @@ keras at module level.
 import re
 import sys
 
+from keras_dtensor import _compile_edits
 from keras_dtensor import _saving_edits
 
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
@@ -425,6 +426,7 @@ def _merge_edit_tables(*tables):
 POST_IMPORT_EDITS = _merge_edit_tables(
     POST_IMPORT_EDITS,
     _saving_edits.POST_IMPORT_EDITS,
+    _compile_edits.POST_IMPORT_EDITS,
 )
 
 

@@ -1,0 +1,195 @@
+"""Single-process tests of the `jit_compile` edits
+(`keras_dtensor._compile_edits`).
+
+A one-process mesh makes every value a DTensor, as on many processes.
+Compiling with inductor takes minutes on CPU, so these tests stand in
+`aot_eager` for it: AOT autograd (where DTensor's missing tangents and
+aliased outputs fail) runs as with inductor. Multi-process runs with
+inductor are in `integration_tests/jit_compile_test.py`.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.backends import registry
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import distribute_tensor
+
+import keras
+from keras_dtensor import _compile_edits
+
+STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
+
+
+@pytest.fixture
+def distribution():
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    keras.distribution.set_distribution(distribution)
+    yield distribution
+    keras.distribution.set_distribution(None)
+
+
+@pytest.fixture
+def inductor_calls(monkeypatch):
+    """Replaces inductor by `aot_eager`; records the AOT autograd cache
+    setting of each call."""
+    calls = []
+    upstream_lookup = registry.lookup_backend
+
+    def aot_eager(graph_module, example_inputs):
+        calls.append(torch._functorch.config.enable_autograd_cache)
+        return upstream_lookup("aot_eager")(graph_module, example_inputs)
+
+    monkeypatch.setattr(
+        registry,
+        "lookup_backend",
+        lambda name: aot_eager if name == "inductor" else upstream_lookup(name),
+    )
+    torch._dynamo.reset()
+    yield calls
+    torch._dynamo.reset()
+
+
+def make_model(jit_compile):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def make_step_functions(model):
+    for attribute in STEP_FUNCTIONS:
+        getattr(model, f"make_{attribute}")()
+    return [getattr(model, attribute) for attribute in STEP_FUNCTIONS]
+
+
+def is_compiled_for_distribution(function):
+    return getattr(function, "compiled_for_distribution", False)
+
+
+def test_without_distribution_step_functions_are_upstream():
+    for function in make_step_functions(make_model(jit_compile=True)):
+        assert not is_compiled_for_distribution(function)
+
+
+def test_eager_steps_under_distribution_are_not_compiled(distribution):
+    for function in make_step_functions(make_model(jit_compile=False)):
+        assert not is_compiled_for_distribution(function)
+
+
+def test_jit_steps_under_distribution_are_compiled_once(distribution):
+    model = make_model(jit_compile=True)
+    functions = make_step_functions(model)
+    assert all(is_compiled_for_distribution(f) for f in functions)
+    assert make_step_functions(model) == functions
+    model.make_train_function(force=True)
+    assert model.train_function is not functions[0]
+    assert is_compiled_for_distribution(model.train_function)
+
+
+def capture_graphs(graphs):
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend
+
+
+def test_aliased_dtensor_outputs_are_cloned(distribution):
+    mesh = distribution.device_mesh.backend_mesh
+    x = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
+
+    def f(x):
+        y = x + 1
+        return y, y.t(), x.view(-1), x * 2
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(f, backend=capture_graphs(graphs), dynamic=False)(x)
+    (graph_module,) = graphs
+    # `y` and its transpose share storage, `x.view` shares the input's.
+    assert _compile_edits.clone_aliased_dtensor_outputs(graph_module) == [
+        0,
+        1,
+        2,
+    ]
+    outputs = graph_module(x)
+    storages = [o.to_local().untyped_storage().data_ptr() for o in outputs]
+    storages.append(x.to_local().untyped_storage().data_ptr())
+    assert len(set(storages)) == len(storages)
+    for output, expected in zip(outputs, f(x)):
+        assert isinstance(output, DTensor)
+        np.testing.assert_array_equal(
+            output.full_tensor().numpy(), expected.full_tensor().numpy()
+        )
+    assert _compile_edits.clone_aliased_dtensor_outputs(graph_module) == []
+
+
+def test_backend_runs_inductor_without_the_autograd_cache(
+    distribution, inductor_calls
+):
+    mesh = distribution.device_mesh.backend_mesh
+    x = distribute_tensor(torch.ones(2, 3), mesh, [Replicate()])
+
+    def f(x):
+        y = x * 3
+        return y, y.t()
+
+    compiled = torch.compile(
+        f, backend=_compile_edits.distributed_step_backend, dynamic=False
+    )
+    y, y_t = compiled(x)
+    assert inductor_calls == [False]
+    assert torch._functorch.config.enable_autograd_cache is not False
+    np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
+
+
+def fit_losses(model, x, y):
+    losses = []
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: losses.append(
+                    float(logs["loss"])
+                )
+            )
+        ],
+    )
+    return losses
+
+
+def test_compiled_training_under_distribution_equals_eager(
+    distribution, inductor_calls
+):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(12,)).astype("int32")
+    eager = make_model(jit_compile=False)
+    eager_losses = fit_losses(eager, x, y)
+    frames = counters["frames"]["ok"]
+    compiled = make_model(jit_compile=True)
+    compiled_losses = fit_losses(compiled, x, y)
+    assert counters["frames"]["ok"] > frames
+    assert inductor_calls and not any(inductor_calls)
+    assert is_compiled_for_distribution(compiled.train_function)
+    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-6)
+    for a, b in zip(compiled.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(
+        compiled.predict(x, verbose=0), eager.predict(x, verbose=0), atol=1e-6
+    )
