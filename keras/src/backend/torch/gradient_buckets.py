@@ -40,7 +40,11 @@ _REDUCE_OPS = {
 
 
 class _Bucket:
-    """Gradients that share one mesh, dtype and partial-sum reduction."""
+    """Gradients that share one mesh, dtype and partial-sum reduction.
+
+    The gradients' placements on the other mesh axes may differ: each one
+    is handed back with its own parameter's placements.
+    """
 
     def __init__(self, mesh, partial_dims, reduce_op):
         self.mesh = mesh
@@ -128,7 +132,11 @@ def reduce_gradient_when_ready(parameter):
     if reduction is None or not _queue_finalizer():
         parameter.grad = _redistribute_gradient(grad, parameter)
         return
-    key = (grad.device_mesh, tuple(grad.placements), placements, grad.dtype)
+    # Gradients that need the same all-reduce share a bucket whatever their
+    # placements on the other mesh axes: on a ("batch", "model") mesh, a
+    # column-sharded and a replicated kernel are reduced together over
+    # "batch" (processes of one "batch" group hold shards of equal shapes).
+    key = (grad.device_mesh, reduction, grad.dtype)
     bucket = _PENDING.open.get(key)
     if bucket is None:
         bucket = _Bucket(grad.device_mesh, *reduction)

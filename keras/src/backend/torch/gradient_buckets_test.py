@@ -170,6 +170,66 @@ class GradientBucketsTest(testing.TestCase):
         self.assertAllClose(lean.full_tensor().numpy(), buffer[:8].numpy())
 
 
+class TwoDimensionalMeshTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        self.mesh = distribution_lib._to_backend_mesh(mesh)
+        patcher = mock.patch.object(
+            gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
+        )
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_placements_sharing_a_reduction_share_a_bucket(self):
+        # Column-, bias- and row-sharded parameters on "model": their
+        # gradients differ in placement on "model" and are all partial
+        # sums over "batch", so one all-reduce over "batch" serves them.
+        generator = torch.Generator().manual_seed(0)
+        values = [
+            torch.randn(shape, generator=generator)
+            for shape in [(8, 16), (16,), (16, 4)]
+        ]
+        placements = [
+            [Replicate(), Shard(1)],
+            [Replicate(), Shard(0)],
+            [Replicate(), Shard(0)],
+        ]
+        parameters = []
+        for value, placement in zip(values, placements):
+            parameter = torch.nn.Parameter(
+                distribute_tensor(value, self.mesh, placement)
+            )
+            parameter.register_post_accumulate_grad_hook(
+                gradient_buckets.reduce_gradient_when_ready
+            )
+            parameters.append(parameter)
+        x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+        inputs = distribute_tensor(x, self.mesh, [Shard(0), Replicate()])
+        with mock.patch.object(
+            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+        ) as all_reduce:
+            kernel_up, bias_up, kernel_down = parameters
+            hidden = torch.tanh(inputs @ kernel_up + bias_up)
+            ((hidden @ kernel_down) ** 2).sum().backward()
+        self.assertEqual(all_reduce.call_count, 1)
+
+        reference = [torch.nn.Parameter(v.clone()) for v in values]
+        hidden = torch.tanh(x @ reference[0] + reference[1])
+        ((hidden @ reference[2]) ** 2).sum().backward()
+        for parameter, placement, expected in zip(
+            parameters, placements, reference
+        ):
+            self.assertEqual(list(parameter.grad.placements), placement)
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(),
+                expected.grad.numpy(),
+                atol=1e-5,
+            )
+
+
 class SizeOneMeshAxisTest(testing.TestCase):
     def test_partial_sum_over_one_process_is_relabelled(self):
         mesh = one_process_mesh()
