@@ -187,30 +187,19 @@ def make_train_step_with_detached_predictions(model):
 def compile_step_for_distribution(step_on_data):
     """Compiles `step_on_data` with `distributed_step_backend`.
 
-    The returned step function prepares the batch as the eager step does
-    (`edit_trainer_input_distribution`): under a distribution, it
+    The returned step function prepares the batch as the eager step does:
+    it is wrapped by `distribute_step_inputs`, which, under a distribution,
     distributes the batch on entry and runs the step in
     `replicate_created_tensors`.
     """
     import torch
 
-    from keras.src.backend.torch import distribution_lib
+    from keras_dtensor._edits import distribute_step_inputs
 
     compiled_step = torch.compile(
         step_on_data, backend=distributed_step_backend, dynamic=False
     )
-
-    def step_function(data):
-        distribution = _distribution()
-        if distribution is None:
-            return compiled_step(data)
-        data = distribution_lib.distribute_data(data, distribution)
-        with distribution_lib.replicate_created_tensors(
-            distribution.device_mesh
-        ):
-            return compiled_step(data)
-
-    step_function.distributes_inputs = True
+    step_function = distribute_step_inputs(compiled_step)
     step_function.compiled_for_distribution = True
     return step_function
 

@@ -219,31 +219,40 @@ def edit_compute_output_spec(core):
     core.compute_output_spec = compute_output_spec
 
 
-def edit_trainer_input_distribution(trainer_module):
-    """Train, test and predict steps distribute their input batch on entry.
+def distribute_step_inputs(step_fn):
+    """Wraps a step function to distribute its batch on entry.
 
     Under a distribution, every array leaf of the batch becomes a DTensor
-    laid out by `Distribution.get_data_layout` before the step (compiled or
-    not) runs, and the step runs in `replicate_created_tensors`, so that the
-    tensors it creates from Python values are replicated DTensors. Without
-    a distribution the step is upstream's.
+    laid out by `Distribution.get_data_layout`, and `step_fn` runs in
+    `replicate_created_tensors`, so that the tensors it creates from Python
+    values are replicated DTensors. Without a distribution, `step_fn` runs
+    as it is.
     """
     from keras.src.backend.common import global_state
 
-    def distribute_inputs(step_fn):
-        def step_with_distributed_inputs(data):
-            distribution = global_state.get_global_attribute("distribution")
-            if distribution is None:
-                return step_fn(data)
-            distribution_lib = _torch_distribution_lib()
-            data = distribution_lib.distribute_data(data, distribution)
-            with distribution_lib.replicate_created_tensors(
-                distribution.device_mesh
-            ):
-                return step_fn(data)
+    def step_with_distributed_inputs(data):
+        distribution = global_state.get_global_attribute("distribution")
+        if distribution is None:
+            return step_fn(data)
+        distribution_lib = _torch_distribution_lib()
+        data = distribution_lib.distribute_data(data, distribution)
+        with distribution_lib.replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            return step_fn(data)
 
-        step_with_distributed_inputs.distributes_inputs = True
-        return step_with_distributed_inputs
+    step_with_distributed_inputs.distributes_inputs = True
+    return step_with_distributed_inputs
+
+
+def edit_trainer_input_distribution(trainer_module):
+    """Train, test and predict steps distribute their input batch on entry.
+
+    The step functions that `make_train_function`, `make_test_function`
+    and `make_predict_function` build (compiled or not) are wrapped by
+    `distribute_step_inputs`. Without a distribution the step is
+    upstream's.
+    """
 
     def wrap_maker(function_name):
         upstream_maker = getattr(trainer_module.TorchTrainer, function_name)
@@ -255,7 +264,7 @@ def edit_trainer_input_distribution(trainer_module):
             if step_fn is not None and not getattr(
                 step_fn, "distributes_inputs", False
             ):
-                setattr(self, attribute, distribute_inputs(step_fn))
+                setattr(self, attribute, distribute_step_inputs(step_fn))
             return getattr(self, attribute)
 
         setattr(trainer_module.TorchTrainer, function_name, make_function)
