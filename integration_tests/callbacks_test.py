@@ -17,19 +17,9 @@ MODES = ("dp", "mp")
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    (single,) = harness.launch(
-        "callbacks_worker.py",
-        1,
-        tmp_path_factory.mktemp("callbacks_single"),
-        args=["single"],
+    return harness.launch_reference_and_distributed(
+        "callbacks_worker.py", tmp_path_factory, MODES
     )
-    distributed = harness.launch(
-        "callbacks_worker.py",
-        2,
-        tmp_path_factory.mktemp("callbacks"),
-        args=list(MODES),
-    )
-    return single, distributed
 
 
 def assert_histories_match(history, expected):

@@ -105,6 +105,48 @@ def launch_retrying_gloo_abort(*args, **kwargs):
     return launch(*args, **kwargs)
 
 
+def launch_reference_and_distributed(
+    worker, tmp_path_factory, modes, nprocs=2, timeout=240
+):
+    """Runs `worker` on one process with `single`, then on `nprocs`.
+
+    Args:
+        worker: file name of the worker script in `integration_tests/workers`.
+        tmp_path_factory: pytest's `tmp_path_factory`.
+        modes: the worker's arguments for the distributed launch.
+        nprocs: number of processes of the distributed launch.
+        timeout: hard limit in seconds for each launch.
+
+    Returns:
+        `(reference, reports)`: the single-process report, and a list with
+        the report of every rank of the distributed launch.
+    """
+    name = os.path.splitext(worker)[0]
+    (reference,) = launch_retrying_gloo_abort(
+        worker,
+        1,
+        tmp_path_factory.mktemp(f"{name}_single"),
+        args=["single"],
+        timeout=timeout,
+    )
+    reports = launch_retrying_gloo_abort(
+        worker,
+        nprocs,
+        tmp_path_factory.mktemp(name),
+        args=list(modes),
+        timeout=timeout,
+    )
+    return reference, reports
+
+
+def run_values(report, name):
+    """The values that one rank reported under `<name>/`, unprefixed."""
+    prefix = name + "/"
+    return {
+        k[len(prefix) :]: v for k, v in report.items() if k.startswith(prefix)
+    }
+
+
 def _rendezvous_args(torchrun_args):
     if "--standalone" in torchrun_args:
         return []

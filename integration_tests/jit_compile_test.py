@@ -45,18 +45,11 @@ def launches(tmp_path_factory):
     return references, reports
 
 
-def run_values(report, spec):
-    prefix = spec + "/"
-    return {
-        k[len(prefix) :]: v for k, v in report.items() if k.startswith(prefix)
-    }
-
-
 @pytest.fixture(params=RUNS)
 def case(request, launches):
     references, reports = launches
-    ranks = [run_values(report, request.param) for report in reports]
-    return ranks, run_values(references, reference_spec(request.param))
+    ranks = [harness.run_values(report, request.param) for report in reports]
+    return ranks, harness.run_values(references, reference_spec(request.param))
 
 
 def test_reference_is_eager(case):

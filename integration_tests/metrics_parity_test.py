@@ -71,25 +71,17 @@ class Launches:
 
     def reference(self):
         """The single-process run without a distribution."""
-        return run_values(self.reports(1)[0], "single")
+        return harness.run_values(self.reports(1)[0], "single")
 
     def ranks(self, nprocs, mode):
         """The values of `mode` reported by every rank."""
-        return [run_values(r, mode) for r in self.reports(nprocs)]
+        return [harness.run_values(r, mode) for r in self.reports(nprocs)]
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """The launches of this module, shared by all its tests."""
     return Launches(tmp_path_factory)
-
-
-def run_values(report, mode):
-    """The values that one rank reported for `mode`, unprefixed."""
-    prefix = mode + "/"
-    return {
-        k[len(prefix) :]: v for k, v in report.items() if k.startswith(prefix)
-    }
 
 
 @pytest.fixture(

@@ -22,19 +22,9 @@ MODES = ("dp", "mp")
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    (single,) = harness.launch(
-        "randomness_worker.py",
-        1,
-        tmp_path_factory.mktemp("randomness_single"),
-        args=["single"],
+    return harness.launch_reference_and_distributed(
+        "randomness_worker.py", tmp_path_factory, MODES
     )
-    distributed = harness.launch(
-        "randomness_worker.py",
-        2,
-        tmp_path_factory.mktemp("randomness"),
-        args=list(MODES),
-    )
-    return single, distributed
 
 
 def outputs(report, mode, layer):

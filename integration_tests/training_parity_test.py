@@ -59,13 +59,6 @@ def launches(tmp_path_factory):
     return references, reports
 
 
-def run_values(report, spec):
-    prefix = spec + "/"
-    return {
-        k[len(prefix) :]: v for k, v in report.items() if k.startswith(prefix)
-    }
-
-
 @pytest.fixture(
     params=[(n, spec) for n, runs in RUNS.items() for spec in runs],
     ids=lambda p: f"{p[0]}p-{p[1]}",
@@ -73,8 +66,8 @@ def run_values(report, spec):
 def case(request, launches):
     nprocs, spec = request.param
     references, reports = launches
-    ranks = [run_values(report, spec) for report in reports[nprocs]]
-    return ranks, run_values(references, single(spec))
+    ranks = [harness.run_values(report, spec) for report in reports[nprocs]]
+    return ranks, harness.run_values(references, single(spec))
 
 
 def max_abs_diff(first, second, paths=None, skip=()):
@@ -165,7 +158,7 @@ def test_evaluate_and_predict_match_single_device(case):
 
 def test_shuffled_training_logs_the_same_losses_on_all_ranks(launches):
     _, reports = launches
-    ranks = [run_values(report, SHUFFLED) for report in reports[2]]
+    ranks = [harness.run_values(report, SHUFFLED) for report in reports[2]]
     assert len(ranks[0]["batch_losses"]) == 8
     assert ranks[0]["batch_losses"] == ranks[1]["batch_losses"]
     assert ranks[0]["final_weights"] == ranks[1]["final_weights"]

@@ -22,24 +22,8 @@ import keras
 SAMPLES, BATCH = 64, 8
 
 
-def set_distribution(mode):
-    devices = keras.distribution.list_devices()
-    if mode == "single":
-        keras.distribution.set_distribution(None)
-    elif mode == "dp":
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=devices)
-        )
-    else:
-        mesh = keras.distribution.DeviceMesh(
-            (1, len(devices)), ("batch", "model"), devices
-        )
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map["up/kernel"] = (None, "model")
-        layout_map["down/kernel"] = ("model", None)
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map)
-        )
+# Layouts under `mp`: column- then row-sharded kernels.
+MP_LAYOUTS = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
 
 
 def build(learning_rate=0.05):
@@ -145,17 +129,16 @@ def terminate_on_nan(mode):
     record(f"{mode}/nan/stop_training", bool(model.stop_training))
 
 
+def run(mode):
+    """Runs the three callback scenarios under the distribution of `mode`."""
+    worker_utils.set_distribution(mode, MP_LAYOUTS)
+    early_stopping(mode)
+    plateau(mode)
+    terminate_on_nan(mode)
+
+
 def main():
-    modes = sys.argv[1:]
-    if any(mode != "single" for mode in modes):
-        keras.distribution.initialize()
-    for mode in modes:
-        set_distribution(mode)
-        early_stopping(mode)
-        plateau(mode)
-        terminate_on_nan(mode)
-        keras.distribution.set_distribution(None)
-    worker_utils.report()
+    worker_utils.run_all(run, sys.argv[1:])
 
 
 if __name__ == "__main__":

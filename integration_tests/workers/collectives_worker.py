@@ -41,33 +41,23 @@ def build(mode):
     return keras.Model(inputs, outputs)
 
 
-def set_distribution(mode):
-    devices = keras.distribution.list_devices()
-    if mode == "single":
-        keras.distribution.set_distribution(None)
-        return
-    if mode == "dp":
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=devices)
-        )
-        return
-    mesh = keras.distribution.DeviceMesh(
-        (1, len(devices)), ("batch", "model"), devices
-    )
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["pre/output"] = ("batch", None)
-    layout_map["up/kernel"] = (None, "model")
-    layout_map["up/bias"] = ("model",)
-    layout_map["down/kernel"] = ("model", None)
-    layout_map["down/output"] = ("batch", None)
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
-    )
+# Layouts under `tp`: a Megatron block between replicated layers.
+MP_LAYOUTS = {
+    "pre/output": ("batch", None),
+    "up/kernel": (None, "model"),
+    "up/bias": ("model",),
+    "down/kernel": ("model", None),
+    "down/output": ("batch", None),
+}
 
 
 def train(mode, optimizer_name, distributed=True):
     """Returns the model and its losses over 3 steps (the last counted)."""
-    set_distribution(mode if distributed else "single")
+    # `tp` is tensor parallelism on the (1, N) mesh of `mp`.
+    distribution_mode = {"dp": "dp", "tp": "mp"}[mode]
+    worker_utils.set_distribution(
+        distribution_mode if distributed else "single", MP_LAYOUTS
+    )
     keras.utils.set_random_seed(7)
     model = build(mode)
     optimizer = (
@@ -97,14 +87,12 @@ def run(spec):
     record(f"{spec}/losses", losses)
     _, reference, _ = train(mode, optimizer_name, distributed=False)
     record(f"{spec}/reference_losses", reference)
-    keras.distribution.set_distribution(None)
 
 
 def main():
-    keras.distribution.initialize()
-    for spec in sys.argv[1:]:
-        run(spec)
-    worker_utils.report()
+    worker_utils.run_all(
+        run, sys.argv[1:], mode_of=lambda spec: spec.split(":")[0]
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import training_worker
 import worker_utils
 from training_worker import Run
 
-import keras
-
 
 def compile_counts():
     from torch._dynamo.utils import counters
@@ -56,11 +54,7 @@ def train(run):
 
 def main():
     runs = [Run(spec) for spec in sys.argv[1:]]
-    if any(run.mode != "single" for run in runs):
-        keras.distribution.initialize()
-    for run in runs:
-        train(run)
-    worker_utils.report()
+    worker_utils.run_all(train, runs, mode_of=lambda run: run.mode)
 
 
 if __name__ == "__main__":

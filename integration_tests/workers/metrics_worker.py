@@ -73,34 +73,16 @@ def build_model():
     return MetricsModel(inputs, outputs)
 
 
-def layout_map_for(mesh):
-    """Column- then row-parallel hidden layers; both heads sharded."""
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["up/kernel"] = (None, "model")
-    layout_map["up/bias"] = ("model",)
-    layout_map["down/kernel"] = ("model", None)
-    layout_map["binary/kernel"] = ("model", None)
-    layout_map["classes/kernel"] = (None, "model")
-    layout_map["classes/bias"] = ("model",)
-    return layout_map
-
-
-def set_distribution(mode):
-    """Sets the distribution of `mode` (none for `single`)."""
-    if mode == "single":
-        keras.distribution.set_distribution(None)
-        return
-    devices = keras.distribution.list_devices()
-    n = len(devices)
-    if mode == "dp":
-        distribution = keras.distribution.DataParallel(devices=devices)
-    else:
-        shape = (1, n) if mode == "mp" else (2, n // 2)
-        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-        distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map_for(mesh)
-        )
-    keras.distribution.set_distribution(distribution)
+# Layouts under `mp` and `2d`: column- then row-parallel hidden layers;
+# both heads sharded.
+MODEL_LAYOUTS = {
+    "up/kernel": (None, "model"),
+    "up/bias": ("model",),
+    "down/kernel": ("model", None),
+    "binary/kernel": ("model", None),
+    "classes/kernel": (None, "model"),
+    "classes/bias": ("model",),
+}
 
 
 def make_data():
@@ -165,7 +147,7 @@ def run(mode):
     update in every forward pass, `predict` included.
     """
     prefix = f"{mode}/"
-    set_distribution(mode)
+    worker_utils.set_distribution(mode, MODEL_LAYOUTS)
     keras.utils.set_random_seed(1337)
     model = build_model()
     compile_model(model)
@@ -216,12 +198,7 @@ def run(mode):
 
 def main():
     """Runs every MODE given on the command line, then reports."""
-    modes = sys.argv[1:]
-    if any(mode != "single" for mode in modes):
-        keras.distribution.initialize()
-    for mode in modes:
-        run(mode)
-    worker_utils.report()
+    worker_utils.run_all(run, sys.argv[1:])
 
 
 if __name__ == "__main__":

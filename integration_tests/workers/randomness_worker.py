@@ -42,24 +42,11 @@ class InTraining(keras.layers.Layer):
         return self.layer(x, training=True)
 
 
-def set_distribution(mode):
-    devices = keras.distribution.list_devices()
-    if mode == "single":
-        keras.distribution.set_distribution(None)
-    elif mode == "dp":
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=devices)
-        )
-    else:
-        mesh = keras.distribution.DeviceMesh(
-            (1, len(devices)), ("batch", "model"), devices
-        )
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map["hidden/kernel"] = (None, "model")
-        layout_map["hidden/output"] = ("batch", "model")
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map)
-        )
+# Layouts under `mp`: the hidden layer's kernel and output sharded.
+MP_LAYOUTS = {
+    "hidden/kernel": (None, "model"),
+    "hidden/output": ("batch", "model"),
+}
 
 
 def build(layer):
@@ -71,7 +58,7 @@ def build(layer):
 
 
 def run(mode):
-    set_distribution(mode)
+    worker_utils.set_distribution(mode, MP_LAYOUTS)
     x = np.ones((BATCH, FEATURES), dtype="float32")
     for name in random_layers():
         outputs = []
@@ -81,16 +68,10 @@ def run(mode):
             outputs.append(model.predict(x, batch_size=BATCH, verbose=0))
         outputs.append(model.predict(x, batch_size=BATCH, verbose=0))
         record(f"{mode}/{name}/outputs", np.stack(outputs))
-    keras.distribution.set_distribution(None)
 
 
 def main():
-    modes = sys.argv[1:]
-    if any(mode != "single" for mode in modes):
-        keras.distribution.initialize()
-    for mode in modes:
-        run(mode)
-    worker_utils.report()
+    worker_utils.run_all(run, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -68,38 +68,24 @@ def build_model(run):
     return keras.Model(inputs, outputs)
 
 
-def layout_map_for(run, mesh):
-    layout_map = keras.distribution.LayoutMap(mesh)
-    if run.model == "mlp":
-        layout_map["up/kernel"] = (None, "model")
-        layout_map["up/bias"] = ("model",)
-        layout_map["down/kernel"] = ("model", None)
-        return layout_map
-    layout_map["embed/embeddings"] = (None, "model")
-    layout_map[".*attention/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map[".*attention/(query|key|value)/bias"] = ("model", None)
-    layout_map[".*attention/attention_output/kernel"] = ("model", None, None)
-    layout_map[".*mlp_up/kernel"] = (None, "model")
-    layout_map[".*mlp_up/bias"] = ("model",)
-    layout_map[".*mlp_down/kernel"] = ("model", None)
-    return layout_map
-
-
-def set_distribution(run):
-    if run.mode == "single":
-        keras.distribution.set_distribution(None)
-        return
-    devices = keras.distribution.list_devices()
-    n = len(devices)
-    if run.mode == "dp":
-        distribution = keras.distribution.DataParallel(devices=devices)
-    else:
-        shape = (1, n) if run.mode == "mp" else (2, n // 2)
-        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-        distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map_for(run, mesh)
-        )
-    keras.distribution.set_distribution(distribution)
+# Layouts under `mp` and `2d`, by model: Megatron-style column- then
+# row-parallel kernels.
+MODEL_LAYOUTS = {
+    "mlp": {
+        "up/kernel": (None, "model"),
+        "up/bias": ("model",),
+        "down/kernel": ("model", None),
+    },
+    "transformer": {
+        "embed/embeddings": (None, "model"),
+        ".*attention/(query|key|value)/kernel": (None, "model", None),
+        ".*attention/(query|key|value)/bias": ("model", None),
+        ".*attention/attention_output/kernel": ("model", None, None),
+        ".*mlp_up/kernel": (None, "model"),
+        ".*mlp_up/bias": ("model",),
+        ".*mlp_down/kernel": ("model", None),
+    },
+}
 
 
 def make_data(run):
@@ -151,7 +137,7 @@ def make_inputs(run, x, y):
 
 
 def train(run):
-    set_distribution(run)
+    worker_utils.set_distribution(run.mode, MODEL_LAYOUTS[run.model])
     keras.utils.set_random_seed(1337)
     model = build_model(run)
     run.record("optimizer", run.optimizer)
@@ -202,11 +188,7 @@ def main():
         runs = [Run(spec) for spec in sys.argv[1:]]
     else:  # One run given as `MODE MODEL OPTIMIZER [EXTRA]`, unprefixed.
         runs = [Run(":".join(sys.argv[1:]), prefix="")]
-    if any(run.mode != "single" for run in runs):
-        keras.distribution.initialize()
-    for run in runs:
-        train(run)
-    worker_utils.report()
+    worker_utils.run_all(train, runs, mode_of=lambda run: run.mode)
 
 
 if __name__ == "__main__":

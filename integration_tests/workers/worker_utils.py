@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+import keras
+
 _REPORT = {}
 
 
@@ -38,3 +40,47 @@ def report():
     with open(path + ".tmp", "w") as f:
         json.dump(_REPORT, f)
     os.replace(path + ".tmp", path)
+
+
+def set_distribution(mode, layouts=None):
+    """Sets the distribution that a run's MODE names.
+
+    Args:
+        mode: `"single"` (no distribution), `"dp"` (`DataParallel` on every
+            device), `"mp"` (`ModelParallel` on a (1, N) ("batch", "model")
+            mesh) or `"2d"` (`ModelParallel` on a (2, N / 2) mesh).
+        layouts: for `"mp"` and `"2d"`, the `LayoutMap` entries, a dict of
+            variable or output paths to layouts.
+    """
+    if mode == "single":
+        keras.distribution.set_distribution(None)
+        return
+    devices = keras.distribution.list_devices()
+    if mode == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+        return
+    shape = {"mp": (1, len(devices)), "2d": (2, len(devices) // 2)}[mode]
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for path, layout in (layouts or {}).items():
+        layout_map[path] = layout
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+
+
+def run_all(run, items, mode_of=lambda item: item):
+    """Calls `run(item)` for every item, then writes this rank's report.
+
+    `keras.distribution.initialize()` runs first when any item's mode (as
+    `mode_of` gives it) is not `"single"`; the distribution is unset after
+    each item.
+    """
+    if any(mode_of(item) != "single" for item in items):
+        keras.distribution.initialize()
+    for item in items:
+        run(item)
+        keras.distribution.set_distribution(None)
+    report()
