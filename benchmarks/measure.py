@@ -127,20 +127,26 @@ def count_collectives(step):
     return counter.counts()
 
 
-def python_calls(step):
-    """Python function calls made by one call of `step` (deterministic).
-
-    Unlike a time, this count does not depend on the machine's load, so it
-    shows framework overhead even on a busy machine.
-    """
+def profile_stats(step):
+    """cProfile statistics (`pstats.Stats`) of one call of `step`."""
     profile = cProfile.Profile()
     profile.enable()
     try:
         step()
     finally:
         profile.disable()
+    return pstats.Stats(profile)
+
+
+def python_calls(step):
+    """Python function calls made by one call of `step` (deterministic).
+
+    Unlike a time, this count does not depend on the machine's load, so it
+    shows framework overhead even on a busy machine.
+    """
+    stats = profile_stats(step)
     synchronize()
-    return int(pstats.Stats(profile).total_calls)
+    return int(stats.total_calls)
 
 
 def _local(tensor):

@@ -36,9 +36,7 @@ self time.
 
 import argparse
 import contextlib
-import cProfile
 import os
-import pstats
 import statistics
 import time
 
@@ -126,14 +124,8 @@ def package(path):
 
 def python_by_package(step):
     """Python calls and cProfile self ms of one step, by `package`."""
-    profile = cProfile.Profile()
-    profile.enable()
-    try:
-        step()
-    finally:
-        profile.disable()
     parts = {name: [0, 0.0] for name in PACKAGES}
-    for (path, _, _), stat in pstats.Stats(profile).stats.items():
+    for (path, _, _), stat in measure.profile_stats(step).stats.items():
         calls, self_seconds = stat[1], stat[2]
         parts[package(path)][0] += calls
         parts[package(path)][1] += 1000.0 * self_seconds
@@ -172,19 +164,13 @@ def function_mode_disabled():
 
 def _profile_calls(step):
     """`(Python calls, calls of the mode's __torch_function__)` of a step."""
-    profile = cProfile.Profile()
-    profile.enable()
-    try:
-        step()
-    finally:
-        profile.disable()
-    stats = pstats.Stats(profile).stats
+    stats = measure.profile_stats(step)
     intercepted = sum(
         calls
-        for (path, _, name), (_, calls, *_) in stats.items()
+        for (path, _, name), (_, calls, *_) in stats.stats.items()
         if name == "__torch_function__" and path.endswith("distribution_lib.py")
     )
-    return int(pstats.Stats(profile).total_calls), int(intercepted)
+    return int(stats.total_calls), int(intercepted)
 
 
 def _test_loss(runner):
