@@ -1,9 +1,10 @@
 """Foundation on 2 and 4 gloo processes, compared with one process.
 
 Meshes (2,), (1, 2), (2, 1) on 2 processes and (2, 2) on 4. A 1-D mesh has
-the axis `model`; a 2-D mesh has `batch` and `model`. Each launch runs all
-checks of `workers/foundation_worker.py` and the assertions below compare
-every rank's report with the others and with the single-process run.
+the axis `model`; a 2-D mesh has `batch` and `model`. One launch per
+process count runs all checks of `workers/foundation_worker.py` on each of
+its meshes, and the assertions below compare every rank's values with the
+others and with the single-process run.
 """
 
 import harness
@@ -16,14 +17,44 @@ MESHES = [(2, "2"), (2, "1,2"), (2, "2,1"), (4, "2,2")]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reference")
-    return harness.launch("foundation_worker.py", 1, tmp_path, args=["1"])[0]
+    (report,) = harness.launch("foundation_worker.py", 1, tmp_path, ["1"])
+    return harness.run_values(report, "1")
 
 
-@pytest.fixture(scope="module", params=MESHES, ids=lambda p: f"mesh{p[1]}")
-def run(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """One launch per process count, checking all of its meshes.
+
+    Returns a function of the process count giving every rank's report;
+    a count is launched the first time it is asked for, and a failed
+    launch fails every later test of that count without launching again.
+    """
+    reports = {}
+
+    def reports_of(nprocs):
+        if nprocs not in reports:
+            meshes = [mesh for n, mesh in MESHES if n == nprocs]
+            try:
+                reports[nprocs] = harness.launch(
+                    "foundation_worker.py",
+                    nprocs,
+                    tmp_path_factory.mktemp(f"p{nprocs}"),
+                    meshes,
+                    timeout=360,
+                )
+            except harness.WorkerFailure as failure:
+                reports[nprocs] = failure
+        if isinstance(reports[nprocs], harness.WorkerFailure):
+            raise harness.WorkerFailure(str(reports[nprocs]))
+        return reports[nprocs]
+
+    return reports_of
+
+
+@pytest.fixture(params=MESHES, ids=lambda p: f"mesh{p[1]}")
+def run(request, launches):
     nprocs, mesh = request.param
-    tmp_path = tmp_path_factory.mktemp("mesh")
-    reports = harness.launch("foundation_worker.py", nprocs, tmp_path, [mesh])
+    reports = [harness.run_values(r, mesh) for r in launches(nprocs)]
     shape = tuple(int(s) for s in mesh.split(","))
     return nprocs, shape, reports
 

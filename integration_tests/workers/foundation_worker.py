@@ -1,6 +1,7 @@
-"""Foundation checks on one mesh: variables, layouts, data, collectives.
+"""Foundation checks on meshes: variables, layouts, data, collectives.
 
-Usage: foundation_worker.py MESH_SHAPE, e.g. `2`, `1,2`, `2,1` or `2,2`.
+Usage: foundation_worker.py MESH_SHAPE [MESH_SHAPE ...], e.g. `2`, `1,2`,
+`2,1` or `2,2`; the values of each mesh are reported under `<MESH_SHAPE>/`.
 A 1-D mesh has the axis `model`; a 2-D mesh has `batch` and `model`.
 Run with a single process and MESH_SHAPE `1` for the reference values.
 """
@@ -14,9 +15,6 @@ from worker_utils import record_error
 
 import keras
 from keras.src.backend.torch import distribution_lib as backend_dlib
-
-MESH_SHAPE = tuple(int(s) for s in sys.argv[1].split(","))
-AXES = ("model",) if len(MESH_SHAPE) == 1 else ("batch", "model")
 
 
 def placements_of(variable):
@@ -53,7 +51,7 @@ def check_model_variables(model):
 
 def check_multi_axis(mesh):
     """One dimension over two mesh axes, in both orders."""
-    if len(MESH_SHAPE) != 2:
+    if len(mesh.shape) != 2:
         return
     full = np.arange(8 * 3, dtype="float32").reshape(8, 3)
     for name, axes in (
@@ -122,7 +120,7 @@ def check_distribute_tensor(mesh):
 
 def check_data_input(mesh):
     # Processes of one replica (same batch coordinate) pass the same part.
-    batch_axis = AXES[0]
+    batch_axis = mesh.axis_names[0]
     shard = mesh.backend_mesh.get_local_rank(batch_axis)
     local = np.full((2, 3), float(shard), dtype="float32")
     layout = keras.distribution.TensorLayout((batch_axis, None), mesh)
@@ -176,7 +174,7 @@ def check_outputs(mesh):
     x = np.arange(4 * 8, dtype="float32").reshape(4, 8) / 10.0
     batch = backend_dlib.distribute_global_batch(
         x,
-        keras.distribution.TensorLayout((AXES[0], None), mesh),
+        keras.distribution.TensorLayout((mesh.axis_names[0], None), mesh),
     )
     result = model(batch)
     record("outputs/proj/placements", [str(p) for p in result.placements])
@@ -202,17 +200,20 @@ def check_progbar(model):
     record("progbar_epoch_lines", output.getvalue().count("Epoch "))
 
 
-def main():
-    keras.distribution.initialize()
+def check_mesh(mesh_shape):
+    """Runs every check under `ModelParallel` on a mesh of `mesh_shape`."""
+    axes = ("model",) if len(mesh_shape) == 1 else ("batch", "model")
+    # Names (of optimizer slots, for one) as in a fresh process.
+    keras.backend.clear_session()
     keras.utils.set_random_seed(7)
     check_devices()
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh(MESH_SHAPE, AXES, devices)
+    mesh = keras.distribution.DeviceMesh(mesh_shape, axes, devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["up/kernel"] = (None, "model")
     layout_map["up/bias"] = ("model",)
     layout_map["down.kernel"] = ("model", None)  # torch-style separator
-    if len(AXES) == 1:
+    if len(axes) == 1:
         layout_map["pair/output"] = (None, "model")
         layout_map["proj/output"] = ("model", None)
     else:
@@ -232,6 +233,14 @@ def main():
     check_outputs(mesh)
     check_assign(model)
     check_progbar(model)
+    keras.distribution.set_distribution(None)
+
+
+def main():
+    keras.distribution.initialize()
+    for mesh_arg in sys.argv[1:]:
+        with worker_utils.prefixed(mesh_arg):
+            check_mesh(tuple(int(s) for s in mesh_arg.split(",")))
     worker_utils.report()
 
 

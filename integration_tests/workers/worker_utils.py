@@ -1,5 +1,6 @@
 """Helpers imported by worker scripts (they run under torchrun)."""
 
+import contextlib
 import json
 import os
 
@@ -8,6 +9,8 @@ import numpy as np
 import keras
 
 _REPORT = {}
+# The prefix of the keys recorded now (see `prefixed`).
+_PREFIX = [""]
 
 
 def rank():
@@ -20,7 +23,7 @@ def record(key, value):
         value = value.tolist()
     elif isinstance(value, (np.floating, np.integer)):
         value = value.item()
-    _REPORT[key] = value
+    _REPORT[_PREFIX[-1] + key] = value
 
 
 def record_error(key, fn):
@@ -28,9 +31,19 @@ def record_error(key, fn):
     try:
         fn()
     except Exception as error:  # noqa: BLE001 - the message is the result
-        _REPORT[key] = f"{type(error).__name__}: {error}"
+        record(key, f"{type(error).__name__}: {error}")
         return
-    _REPORT[key] = None
+    record(key, None)
+
+
+@contextlib.contextmanager
+def prefixed(prefix):
+    """Values recorded inside are reported as `<prefix>/<key>`."""
+    _PREFIX.append(f"{_PREFIX[-1]}{prefix}/")
+    try:
+        yield
+    finally:
+        _PREFIX.pop()
 
 
 def report():
