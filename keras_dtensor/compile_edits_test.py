@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from torch._dynamo.backends import registry
-from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
@@ -151,45 +150,3 @@ def test_backend_runs_inductor_without_the_autograd_cache(
     assert inductor_calls == [False]
     assert torch._functorch.config.enable_autograd_cache is not False
     np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
-
-
-def fit_losses(model, x, y):
-    losses = []
-    model.fit(
-        x,
-        y,
-        batch_size=4,
-        epochs=2,
-        verbose=0,
-        shuffle=False,
-        callbacks=[
-            keras.callbacks.LambdaCallback(
-                on_train_batch_end=lambda batch, logs: losses.append(
-                    float(logs["loss"])
-                )
-            )
-        ],
-    )
-    return losses
-
-
-def test_compiled_training_under_distribution_equals_eager(
-    distribution, inductor_calls
-):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(12, 4)).astype("float32")
-    y = rng.integers(0, 3, size=(12,)).astype("int32")
-    eager = make_model(jit_compile=False)
-    eager_losses = fit_losses(eager, x, y)
-    frames = counters["frames"]["ok"]
-    compiled = make_model(jit_compile=True)
-    compiled_losses = fit_losses(compiled, x, y)
-    assert counters["frames"]["ok"] > frames
-    assert inductor_calls and not any(inductor_calls)
-    assert is_compiled_for_distribution(compiled.train_function)
-    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-6)
-    for a, b in zip(compiled.get_weights(), eager.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6)
-    np.testing.assert_allclose(
-        compiled.predict(x, verbose=0), eager.predict(x, verbose=0), atol=1e-6
-    )
