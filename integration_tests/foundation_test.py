@@ -280,3 +280,21 @@ def test_only_process_zero_prints_progress(run):
     assert reports[0]["progbar_epoch_lines"] == 2
     for report in reports[1:]:
         assert report["progbar_epoch_lines"] == 0
+
+
+@pytest.mark.parametrize("nprocs", sorted({n for n, _ in MESHES}))
+def test_unseeded_replicated_variables_are_identical(launches, nprocs):
+    # Before any seed is set, the processes draw from one shared seed.
+    reports = launches(nprocs)
+    for report in reports:
+        assert report["unseeded/placements"] == [["R"]] * 6
+        assert report["unseeded/weights"] == reports[0]["unseeded/weights"]
+    # Not the weights of seed 7, which the mesh checks set.
+    mesh = next(mesh for n, mesh in MESHES if n == nprocs)
+    assert reports[0]["unseeded/weights"] != reports[0][f"{mesh}/weights"]
+
+
+def test_unseeded_weights_differ_between_launches(launches):
+    # The shared seed is drawn afresh for each run, not fixed.
+    first, second = (launches(n)[0] for n in sorted({n for n, _ in MESHES}))
+    assert first["unseeded/weights"] != second["unseeded/weights"]

@@ -23,6 +23,7 @@ RUNS = {
         "dp:mlp:adamw:pydataset",
         "dp:mlp:sgd:dataloader",
         "dp:mlp:adamw:dropout",
+        "dp:mlp:sgd:local",
         "mp:transformer:sgd",
         "mp:transformer:adamw",
     ],

@@ -236,8 +236,29 @@ def check_mesh(mesh_shape):
     keras.distribution.set_distribution(None)
 
 
+def check_unseeded_variables():
+    """Weights of a model built under `DataParallel` before any seed is set.
+
+    They are replicated, so they must be identical on every process: the
+    random seed that `initialize()` shares stands in for the user's.
+    """
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()
+        )
+    )
+    model = build_model()
+    record("unseeded/weights", [w.tolist() for w in model.get_weights()])
+    record(
+        "unseeded/placements",
+        [placements_of(v) for v in model.weights],
+    )
+    keras.distribution.set_distribution(None)
+
+
 def main():
     keras.distribution.initialize()
+    check_unseeded_variables()
     for mesh_arg in sys.argv[1:]:
         with worker_utils.prefixed(mesh_arg):
             check_mesh(tuple(int(s) for s in mesh_arg.split(",")))

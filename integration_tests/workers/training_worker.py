@@ -9,9 +9,13 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODEL: `mlp` or `transformer`.
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
-    `pydataset`, `dataloader`, `dropout`.
+    `pydataset`, `dataloader`, `dropout`, `local` (DataParallel with
+    `auto_shard_dataset=False`: each process passes only its own part of
+    every global batch, to `fit`, `evaluate`, `predict` and a direct call;
+    without a distribution the data is passed whole).
 """
 
+import os
 import sys
 
 import numpy as np
@@ -108,6 +112,33 @@ class BatchLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
+def passes_local_batches(run):
+    """Whether each process passes only its part of every global batch."""
+    return "local" in run.extra and run.mode != "single"
+
+
+def local_part(run, array):
+    """This process's part of every global batch of `array`.
+
+    With N processes, global batch `b` is the concatenation, in process
+    order, of the parts that the processes pass as their batch `b`.
+    """
+    if not passes_local_batches(run):
+        return array
+    processes = int(os.environ["WORLD_SIZE"])
+    local_size = BATCH_SIZE // processes
+    rows = np.arange(len(array))
+    mine = (rows % BATCH_SIZE) // local_size == worker_utils.rank()
+    return array[mine]
+
+
+def batch_size(run):
+    """The batch size each process passes to `fit`, `evaluate`, `predict`."""
+    if passes_local_batches(run):
+        return BATCH_SIZE // int(os.environ["WORLD_SIZE"])
+    return BATCH_SIZE
+
+
 def make_inputs(run, x, y):
     """Returns `fit` keyword arguments in the requested input form."""
     if "dict" in run.extra:
@@ -133,11 +164,19 @@ def make_inputs(run, x, y):
         return {
             "x": torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE)
         }
-    return {"x": x, "y": y, "batch_size": BATCH_SIZE}
+    return {
+        "x": local_part(run, x),
+        "y": local_part(run, y),
+        "batch_size": batch_size(run),
+    }
 
 
 def train(run):
-    worker_utils.set_distribution(run.mode, MODEL_LAYOUTS[run.model])
+    worker_utils.set_distribution(
+        run.mode,
+        MODEL_LAYOUTS[run.model],
+        auto_shard_dataset=not passes_local_batches(run),
+    )
     keras.utils.set_random_seed(1337)
     model = build_model(run)
     run.record("optimizer", run.optimizer)
@@ -173,13 +212,22 @@ def train(run):
     run.record("final_weights", [w.tolist() for w in model.get_weights()])
     run.record("weight_paths", [w.path for w in model.weights])
     run.record("iterations", int(model.optimizer.iterations.numpy()))
+    x_local, y_local = local_part(run, x), local_part(run, y)
     evaluation = model.evaluate(
-        x, y, batch_size=BATCH_SIZE, verbose=0, return_dict=True
+        x_local,
+        y_local,
+        batch_size=batch_size(run),
+        verbose=0,
+        return_dict=True,
     )
     run.record("evaluate", {k: float(v) for k, v in evaluation.items()})
-    run.record("predict", model.predict(x, batch_size=BATCH_SIZE, verbose=0))
-    # A direct call takes the global batch too.
-    direct = model(x[:BATCH_SIZE])
+    run.record(
+        "predict",
+        model.predict(x_local, batch_size=batch_size(run), verbose=0),
+    )
+    # A direct call takes the global batch too (or, with `local`, this
+    # process's part of it).
+    direct = model(x_local[: batch_size(run)])
     run.record("direct_call", keras.ops.convert_to_numpy(direct))
 
 

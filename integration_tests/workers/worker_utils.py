@@ -55,7 +55,7 @@ def report():
     os.replace(path + ".tmp", path)
 
 
-def set_distribution(mode, layouts=None):
+def set_distribution(mode, layouts=None, auto_shard_dataset=True):
     """Sets the distribution that a run's MODE names.
 
     Args:
@@ -64,6 +64,7 @@ def set_distribution(mode, layouts=None):
             mesh) or `"2d"` (`ModelParallel` on a (2, N / 2) mesh).
         layouts: for `"mp"` and `"2d"`, the `LayoutMap` entries, a dict of
             variable or output paths to layouts.
+        auto_shard_dataset: passed to the distribution.
     """
     if mode == "single":
         keras.distribution.set_distribution(None)
@@ -71,7 +72,9 @@ def set_distribution(mode, layouts=None):
     devices = keras.distribution.list_devices()
     if mode == "dp":
         keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=devices)
+            keras.distribution.DataParallel(
+                devices=devices, auto_shard_dataset=auto_shard_dataset
+            )
         )
         return
     shape = {"mp": (1, len(devices)), "2d": (2, len(devices) // 2)}[mode]
@@ -80,7 +83,9 @@ def set_distribution(mode, layouts=None):
     for path, layout in (layouts or {}).items():
         layout_map[path] = layout
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, auto_shard_dataset=auto_shard_dataset
+        )
     )
 
 
