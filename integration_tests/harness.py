@@ -105,37 +105,45 @@ def launch_retrying_gloo_abort(*args, **kwargs):
     return launch(*args, **kwargs)
 
 
-def launch_reference_and_distributed(
-    worker, tmp_path_factory, modes, nprocs=2, timeout=240
+def launch_reference_and_runs(
+    worker, tmp_path_factory, reference_args, runs, timeout=240
 ):
-    """Runs `worker` on one process with `single`, then on `nprocs`.
+    """Runs `worker` once on one process, then once per process count.
+
+    Every launch is retried once on a gloo abort
+    (`launch_retrying_gloo_abort`).
 
     Args:
         worker: file name of the worker script in `integration_tests/workers`.
         tmp_path_factory: pytest's `tmp_path_factory`.
-        modes: the worker's arguments for the distributed launch.
-        nprocs: number of processes of the distributed launch.
+        reference_args: the worker's arguments for the single-process
+            reference launch.
+        runs: a dict of process count to the worker's arguments for that
+            launch.
         timeout: hard limit in seconds for each launch.
 
     Returns:
-        `(reference, reports)`: the single-process report, and a list with
-        the report of every rank of the distributed launch.
+        `(reference, reports)`: the single-process report, and a dict of
+        process count to the list of every rank's report.
     """
     name = os.path.splitext(worker)[0]
     (reference,) = launch_retrying_gloo_abort(
         worker,
         1,
-        tmp_path_factory.mktemp(f"{name}_single"),
-        args=["single"],
+        tmp_path_factory.mktemp(f"{name}_reference"),
+        args=list(reference_args),
         timeout=timeout,
     )
-    reports = launch_retrying_gloo_abort(
-        worker,
-        nprocs,
-        tmp_path_factory.mktemp(name),
-        args=list(modes),
-        timeout=timeout,
-    )
+    reports = {
+        nprocs: launch_retrying_gloo_abort(
+            worker,
+            nprocs,
+            tmp_path_factory.mktemp(f"{name}_{nprocs}"),
+            args=list(args),
+            timeout=timeout,
+        )
+        for nprocs, args in runs.items()
+    }
     return reference, reports
 
 

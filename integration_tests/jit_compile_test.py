@@ -28,21 +28,14 @@ def reference_spec(spec):
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """Two launches: the eager references and the compiled runs."""
-    references = harness.launch_retrying_gloo_abort(
+    references, reports = harness.launch_reference_and_runs(
         "jit_compile_worker.py",
-        1,
-        tmp_path_factory.mktemp("reference"),
-        args=sorted({reference_spec(spec) for spec in RUNS}),
-        timeout=300,
-    )[0]
-    reports = harness.launch_retrying_gloo_abort(
-        "jit_compile_worker.py",
-        2,
-        tmp_path_factory.mktemp("jit"),
-        args=RUNS,
+        tmp_path_factory,
+        sorted({reference_spec(spec) for spec in RUNS}),
+        {2: RUNS},
         timeout=600,
     )
-    return references, reports
+    return references, reports[2]
 
 
 @pytest.fixture(params=RUNS)

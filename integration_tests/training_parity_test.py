@@ -40,24 +40,16 @@ def single(spec):
 def launches(tmp_path_factory):
     """Three launches: references, 2 processes and 4 processes."""
     specs = [spec for runs in RUNS.values() for spec in runs]
-    references = harness.launch_retrying_gloo_abort(
+    return harness.launch_reference_and_runs(
         "training_worker.py",
-        1,
-        tmp_path_factory.mktemp("reference"),
-        args=sorted({single(spec) for spec in specs}),
-        timeout=300,
-    )[0]
-    reports = {
-        nprocs: harness.launch_retrying_gloo_abort(
-            "training_worker.py",
-            nprocs,
-            tmp_path_factory.mktemp(f"p{nprocs}"),
-            args=runs + ([SHUFFLED] if nprocs == 2 else []),
-            timeout=400,
-        )
-        for nprocs, runs in RUNS.items()
-    }
-    return references, reports
+        tmp_path_factory,
+        sorted({single(spec) for spec in specs}),
+        {
+            nprocs: runs + ([SHUFFLED] if nprocs == 2 else [])
+            for nprocs, runs in RUNS.items()
+        },
+        timeout=400,
+    )
 
 
 @pytest.fixture(

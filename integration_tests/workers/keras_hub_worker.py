@@ -116,21 +116,12 @@ def build_model(name, optimizer_name):
     return model
 
 
-class BatchLosses(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
-
-
 def train(name, optimizer_name):
     """Builds and trains one model; returns it, its first weights, losses."""
     model = build_model(name, optimizer_name)
     initial_weights = model.get_weights()
     x, y, sample_weight = make_data()
-    losses = BatchLosses()
+    losses = worker_utils.BatchLosses()
     model.fit(
         x,
         y,

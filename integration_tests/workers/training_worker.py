@@ -103,15 +103,6 @@ def make_data(run):
     return x, y
 
 
-class BatchLosses(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
-
-
 def passes_local_batches(run):
     """Whether each process passes only its part of every global batch."""
     return "local" in run.extra and run.mode != "single"
@@ -196,7 +187,7 @@ def train(run):
         jit_compile="jit" in run.extra,
     )
     x, y = make_data(run)
-    losses = BatchLosses()
+    losses = worker_utils.BatchLosses()
     history = model.fit(
         **make_inputs(run, x, y),
         epochs=2,

@@ -36,6 +36,17 @@ def record_error(key, fn):
     record(key, None)
 
 
+class BatchLosses(keras.callbacks.Callback):
+    """Keeps the loss that `fit` logs after every batch, as a float."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
 @contextlib.contextmanager
 def prefixed(prefix):
     """Values recorded inside are reported as `<prefix>/<key>`."""
