@@ -18,7 +18,12 @@ made here avoid while DTensor still does all the math:
    backward starts from the loss alone, so autograd passes a plain zero
    tensor as the gradient of `y_pred`, where the compiled backward expects
    a DTensor: "Expected a DTensor tangent but got a plain Tensor (tangent
-   index: 1)". The train step detaches `y_pred` before backward.
+   index: 1)". The compile backend ties the differentiable DTensor outputs
+   of each compiled graph together through one autograd node, which gives
+   an output that backward does not reach a zero DTensor gradient, so any
+   train step (a model's own included) can call `loss.backward()`.
+   Upstream's train step also detaches `y_pred` before backward, which
+   spares the backward pass that zero gradient.
 2. Aliased outputs (pytorch#184002). A graph split inside a layer returns
    several views of one tensor (e.g. attention's query and its transpose);
    AOT autograd rebuilds such outputs with `as_strided`, which DTensor
@@ -43,6 +48,8 @@ Shapes are static (`dynamic=False`): with automatic dynamic shapes,
 tracing the transformer's graphs under DTensor ended in a RecursionError.
 The steps run in `replicate_created_tensors`, as the eager steps do.
 """
+
+import functools
 
 
 def _is_torch_backend():
@@ -126,15 +133,99 @@ def clone_aliased_dtensor_outputs(graph_module):
     return replaced
 
 
+def _zero_like_dtensor(metadata):
+    """A zero DTensor with the metadata `_TieDifferentiableOutputs` kept."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride, local_shape, dtype, device = metadata
+    return DTensor.from_local(
+        torch.zeros(local_shape, dtype=dtype, device=device),
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=stride,
+    )
+
+
+@functools.cache
+def _tie_differentiable_outputs_class():
+    """The autograd function behind `tie_differentiable_dtensor_outputs`
+    (defined on first use: this module does not import torch on import)."""
+    import torch
+
+    class TieDifferentiableOutputs(torch.autograd.Function):
+        """Identity on DTensors; a missing gradient becomes a zero DTensor."""
+
+        @staticmethod
+        def forward(ctx, *outputs):
+            ctx.set_materialize_grads(False)
+            ctx.output_metadata = [
+                (
+                    output.device_mesh,
+                    output.placements,
+                    output.shape,
+                    output.stride(),
+                    output._local_tensor.shape,
+                    output.dtype,
+                    output.device,
+                )
+                for output in outputs
+            ]
+            return tuple(output.view_as(output) for output in outputs)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return tuple(
+                _zero_like_dtensor(metadata) if grad is None else grad
+                for grad, metadata in zip(grads, ctx.output_metadata)
+            )
+
+    return TieDifferentiableOutputs
+
+
+def tie_differentiable_dtensor_outputs(outputs):
+    """Passes a compiled graph's differentiable DTensor outputs through one
+    autograd node.
+
+    Backward then reaches the compiled graph through that node, which gives
+    every output that backward did not reach a zero DTensor gradient,
+    where autograd would pass the compiled backward a plain zero tensor
+    (pytorch#172556). Other outputs are returned as they are.
+    """
+    from torch.distributed.tensor import DTensor
+
+    positions = [
+        i
+        for i, output in enumerate(outputs)
+        if isinstance(output, DTensor) and output.requires_grad
+    ]
+    if len(positions) < 2:
+        return outputs
+    tie = _tie_differentiable_outputs_class()
+    tied = tie.apply(*(outputs[i] for i in positions))
+    result = list(outputs)
+    for i, output in zip(positions, tied):
+        result[i] = output
+    return tuple(result) if isinstance(outputs, tuple) else result
+
+
 def distributed_step_backend(graph_module, example_inputs):
     """The `torch.compile` backend of steps under a distribution: inductor
-    (upstream's default), after `clone_aliased_dtensor_outputs`."""
+    (upstream's default), after `clone_aliased_dtensor_outputs`, with the
+    outputs tied by `tie_differentiable_dtensor_outputs`."""
     import torch
     from torch._dynamo.backends.registry import lookup_backend
 
     clone_aliased_dtensor_outputs(graph_module)
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return lookup_backend("inductor")(graph_module, example_inputs)
+        compiled = lookup_backend("inductor")(graph_module, example_inputs)
+
+    def run_compiled(*args):
+        return tie_differentiable_dtensor_outputs(compiled(*args))
+
+    return run_compiled
 
 
 def make_train_step_with_detached_predictions(model):

@@ -150,3 +150,29 @@ def test_backend_runs_inductor_without_the_autograd_cache(
     assert inductor_calls == [False]
     assert torch._functorch.config.enable_autograd_cache is not False
     np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
+
+
+def test_output_that_backward_does_not_reach_gets_a_zero_tangent(
+    distribution, inductor_calls
+):
+    mesh = distribution.device_mesh.backend_mesh
+    weight = torch.nn.Parameter(
+        distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
+    )
+
+    def f(weight):
+        scaled = weight * 3
+        return scaled.sum(), scaled.tanh()
+
+    compiled = torch.compile(
+        f, backend=_compile_edits.distributed_step_backend, dynamic=False
+    )
+    loss, unused = compiled(weight)
+    assert unused.requires_grad
+    # Backward from one of two differentiable outputs, as a train step
+    # does from the loss while its predictions go to the metrics.
+    loss.backward()
+    assert isinstance(weight.grad, DTensor)
+    np.testing.assert_array_equal(
+        weight.grad.full_tensor().numpy(), np.full((2, 3), 3.0)
+    )

@@ -9,7 +9,9 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODEL: `mlp` or `transformer`.
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
-    `pydataset`, `dataloader`, `dropout`, `local` (DataParallel with
+    `pydataset`, `dataloader`, `dropout`, `custom` (the model's own
+    `train_step`, written as the Keras guide for torch writes one),
+    `local` (DataParallel with
     `auto_shard_dataset=False`: each process passes only its own part of
     every global batch, to `fit`, `evaluate`, `predict` and a direct call;
     without a distribution the data is passed whole).
@@ -54,7 +56,32 @@ def transformer_block(x, name):
     return keras.layers.LayerNormalization(name=f"{name}_norm2")(x + hidden)
 
 
+class OwnTrainStepModel(keras.Model):
+    """A functional model with its own `train_step`, as a user writes it
+    with the torch backend: backward from the loss, then the metrics read
+    the predictions."""
+
+    def train_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss.backward()
+        weights = self.trainable_weights
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in weights], weights)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return self.get_metrics_result()
+
+
 def build_model(run):
+    model_class = OwnTrainStepModel if "custom" in run.extra else keras.Model
     if run.model == "mlp":
         inputs = keras.Input((12,), name="features")
         x = keras.layers.Dense(16, activation="relu", name="up")(inputs)
@@ -62,14 +89,14 @@ def build_model(run):
             x = keras.layers.Dropout(0.5, name="dropout")(x)
         x = keras.layers.Dense(16, activation="relu", name="down")(x)
         outputs = keras.layers.Dense(4, name="head")(x)
-        return keras.Model(inputs, outputs)
+        return model_class(inputs, outputs)
     inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(VOCAB, HIDDEN, name="embed")(inputs)
     for i in range(2):
         x = transformer_block(x, f"block{i}")
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     outputs = keras.layers.Dense(4, name="head")(x)
-    return keras.Model(inputs, outputs)
+    return model_class(inputs, outputs)
 
 
 # Layouts under `mp` and `2d`, by model: Megatron-style column- then
