@@ -5,12 +5,12 @@
 having its own `train_step` (backward from the loss, then metrics on the
 predictions, as the Keras guide writes one for torch), and ModelParallel
 on a (1, 2) mesh (column- then row-sharded kernels) with AdamW and
-upstream's train step. The reference is the same training on one process without a
-distribution, eager. Per-step losses must agree within 1e-5 relative,
-final weights within 1e-5 absolute, `evaluate` and `predict` as in the
-parity test; and the distributed runs must really have run compiled:
-`fit`, `evaluate` and `predict` used the compiled steps, and torch.compile
-produced graphs (the eager reference none).
+upstream's train step. The reference is the same training on one process
+without a distribution, eager. Per-step losses must agree within 1e-5
+relative, final weights within 1e-5 absolute, `evaluate` and `predict` as
+in the parity test; and the distributed runs must really have run
+compiled: `fit`, `evaluate` and `predict` used the compiled steps, and
+torch.compile produced graphs (the eager reference none).
 """
 
 import harness
