@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 WORKERS_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "workers"
 )
@@ -145,6 +147,16 @@ def launch_reference_and_runs(
         for nprocs, args in runs.items()
     }
     return reference, reports
+
+
+def assert_losses_match(reports, reference, rtol):
+    """Every rank's per-step losses have the reference's count and agree
+    with them within `rtol` (relative)."""
+    expected = np.asarray(reference["batch_losses"])
+    for report in reports:
+        losses = np.asarray(report["batch_losses"])
+        assert losses.shape == expected.shape
+        np.testing.assert_allclose(losses, expected, rtol=rtol)
 
 
 def run_values(report, name):

@@ -92,11 +92,7 @@ def test_same_initial_weights(case):
 
 def test_losses_match_single_device(case):
     reports, ref = case
-    expected = np.asarray(ref["batch_losses"])
-    for report in reports:
-        losses = np.asarray(report["batch_losses"])
-        assert losses.shape == expected.shape
-        np.testing.assert_allclose(losses, expected, rtol=LOSS_RTOL)
+    harness.assert_losses_match(reports, ref, rtol=LOSS_RTOL)
 
 
 def test_final_weights_match_single_device(case):

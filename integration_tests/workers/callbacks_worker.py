@@ -69,62 +69,46 @@ def history_of(history):
     return {k: [float(v) for v in vs] for k, vs in history.history.items()}
 
 
-def early_stopping(mode):
+def fit(callbacks, epochs, x=None):
+    """Builds a fresh model and fits it on `data()` (or `x`) in order."""
     model = build()
-    x, y = data()
+    data_x, y = data()
     history = model.fit(
-        x,
+        data_x if x is None else x,
         y,
         batch_size=BATCH,
-        epochs=30,
+        epochs=epochs,
         shuffle=False,
         verbose=0,
-        callbacks=[
-            keras.callbacks.EarlyStopping(
-                monitor="loss", min_delta=0.05, patience=1
-            )
-        ],
+        callbacks=callbacks,
     )
+    return model, history
+
+
+def early_stopping(mode):
+    stopping = keras.callbacks.EarlyStopping(
+        monitor="loss", min_delta=0.05, patience=1
+    )
+    _, history = fit([stopping], epochs=30)
     record(f"{mode}/early_stopping/epochs", len(history.epoch))
     record(f"{mode}/early_stopping/history", history_of(history))
 
 
 def plateau(mode):
-    model = build()
-    x, y = data()
-    rates = LearningRates()
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=6,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            keras.callbacks.ReduceLROnPlateau(
-                monitor="loss", factor=0.5, patience=0, min_delta=0.05
-            ),
-            rates,
-        ],
+    reduce_lr = keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.5, patience=0, min_delta=0.05
     )
+    rates = LearningRates()
+    _, history = fit([reduce_lr, rates], epochs=6)
     record(f"{mode}/plateau/rates", rates.rates)
     record(f"{mode}/plateau/history", history_of(history))
 
 
 def terminate_on_nan(mode):
-    model = build()
-    x, y = data()
+    x, _ = data()
     x[3 * BATCH + 5, 2] = np.nan  # A row of the fourth batch.
     batches = BatchCount()
-    model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[keras.callbacks.TerminateOnNaN(), batches],
-    )
+    model, _ = fit([keras.callbacks.TerminateOnNaN(), batches], epochs=2, x=x)
     record(f"{mode}/nan/batches", batches.batches)
     record(f"{mode}/nan/stop_training", bool(model.stop_training))
 
