@@ -9,10 +9,13 @@ The batch is split over the `batch` axis; attention heads and the MLP's
 hidden units are split over the `model` axis (Megatron layout: column-
 then row-parallel kernels), and the blocks' outputs are kept replicated on
 `model`, which makes each block cost one all-reduce forward and one
-backward. Process 0 prints the layout of a few variables and the losses,
-which are the same on every process and equal a single-process run's.
+backward. Process 0 prints the layout of a few variables; every process
+prints its losses, which are the same on every process and equal a
+single-process run's. `--steps N` trains N steps (one loss each) instead of
+three epochs.
 """
 
+import argparse
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -62,7 +65,27 @@ def layout_map_for(mesh):
     return layout_map
 
 
+def parse_args():
+    """Reads `--steps`: 0 (the default) trains three epochs of 4 steps."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="train this many steps (one loss each) instead of 3 epochs",
+    )
+    return parser.parse_args()
+
+
+def fit_arguments(steps):
+    """`model.fit` arguments: 3 epochs, or `steps` epochs of one step."""
+    if steps > 0:
+        return {"epochs": steps, "steps_per_epoch": 1}
+    return {"epochs": 3}
+
+
 def main():
+    args = parse_args()
     keras.distribution.initialize()
     keras.utils.set_random_seed(1234)
     devices = keras.distribution.list_devices()
@@ -94,10 +117,17 @@ def main():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0)
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        shuffle=True,
+        verbose=0,
+        **fit_arguments(args.steps),
+    )
+    print(f"[rank {rank}] losses: {history.history['loss']}", flush=True)
     if rank == 0:
-        print(f"losses: {history.history['loss']}")
-        print(f"accuracy: {history.history['accuracy']}")
+        print(f"accuracy: {history.history['accuracy']}", flush=True)
 
 
 if __name__ == "__main__":
