@@ -21,6 +21,8 @@ WORKERS_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "workers"
 )
 RESULT_DIR_ENV = "KERAS_DTENSOR_TEST_RESULT_DIR"
+# Set to 1 to run the workers on NCCL, one visible GPU per process.
+NCCL_ENV_VAR = "KERAS_DTENSOR_TEST_NCCL"
 
 
 class WorkerFailure(AssertionError):
@@ -68,7 +70,7 @@ def launch(
         os.path.join(WORKERS_DIR, worker),
         *[str(a) for a in args],
     ]
-    process_env = _worker_env(result_dir, timeout, env)
+    process_env = worker_env(result_dir, timeout, env, nprocs=nprocs)
     try:
         completed = subprocess.run(
             command,
@@ -92,28 +94,10 @@ def launch(
     return [_read_report(result_dir, rank, worker) for rank in range(nprocs)]
 
 
-def launch_retrying_gloo_abort(*args, **kwargs):
-    """`launch`, retried once if a rank aborted inside gloo.
-
-    Under heavy load, a launch was seen to abort with gloo's "Received data
-    size doesn't match expected size" (SIGABRT); README.md lists it as a
-    known gap. Any other failure, or a second abort, fails the test.
-    """
-    try:
-        return launch(*args, **kwargs)
-    except WorkerFailure as failure:
-        if "SIGABRT" not in str(failure):
-            raise
-    return launch(*args, **kwargs)
-
-
 def launch_reference_and_runs(
     worker, tmp_path_factory, reference_args, runs, timeout=240
 ):
     """Runs `worker` once on one process, then once per process count.
-
-    Every launch is retried once on a gloo abort
-    (`launch_retrying_gloo_abort`).
 
     Args:
         worker: file name of the worker script in `integration_tests/workers`.
@@ -129,7 +113,7 @@ def launch_reference_and_runs(
         process count to the list of every rank's report.
     """
     name = os.path.splitext(worker)[0]
-    (reference,) = launch_retrying_gloo_abort(
+    (reference,) = launch(
         worker,
         1,
         tmp_path_factory.mktemp(f"{name}_reference"),
@@ -137,7 +121,7 @@ def launch_reference_and_runs(
         timeout=timeout,
     )
     reports = {
-        nprocs: launch_retrying_gloo_abort(
+        nprocs: launch(
             worker,
             nprocs,
             tmp_path_factory.mktemp(f"{name}_{nprocs}"),
@@ -173,20 +157,59 @@ def _rendezvous_args(torchrun_args):
     return ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
 
 
-def _worker_env(result_dir, timeout, env):
-    """Environment of a launch: torch backend, timeouts, result folder."""
-    process_env = dict(os.environ)
+def worker_env(
+    result_dir, timeout, env=None, base=None, nprocs=1, gpu_count=None
+):
+    """The environment of a launch's workers.
+
+    Workers use the torch backend, one thread each, the collective timeout
+    `KERAS_DTENSOR_TIMEOUT_SECONDS` (half the launch's, at least 30 s) and
+    `TORCH_DISTRIBUTED_DEBUG=DETAIL`: before each collective, torch checks
+    that every rank issues the same operation on the same shapes, and fails
+    naming both otherwise. Workers run on CPU and gloo whatever GPUs are
+    visible (`CUDA_VISIBLE_DEVICES` is emptied), unless `NCCL_ENV_VAR`
+    (`KERAS_DTENSOR_TEST_NCCL=1`) is set in `base` and there are at least
+    `nprocs` GPUs: then the visible GPUs are kept and `initialize()` uses
+    NCCL, one GPU per process.
+
+    Args:
+        result_dir: the folder the workers write their reports to.
+        timeout: the launch's hard limit in seconds.
+        env: extra variables, applied last.
+        base: the environment to start from (default `os.environ`).
+        nprocs: the number of processes of one node of the launch.
+        gpu_count: the number of visible GPUs (default: as torch counts
+            them, asked only when NCCL is requested).
+
+    Returns:
+        A dict of environment variables.
+    """
+    process_env = dict(os.environ if base is None else base)
     process_env.update(
         {
             "KERAS_BACKEND": "torch",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
+            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
             RESULT_DIR_ENV: result_dir,
         }
     )
+    if not _use_nccl(process_env, nprocs, gpu_count):
+        process_env["CUDA_VISIBLE_DEVICES"] = ""
     process_env.update(env or {})
     return process_env
+
+
+def _use_nccl(process_env, nprocs, gpu_count):
+    """Whether NCCL was asked for and there is one GPU per process."""
+    if process_env.get(NCCL_ENV_VAR) != "1":
+        return False
+    if gpu_count is None:
+        import torch
+
+        gpu_count = torch.cuda.device_count()
+    return gpu_count >= nprocs
 
 
 def _read_report(result_dir, rank, worker):
@@ -240,7 +263,7 @@ def launch_multi_node(
     )
     os.makedirs(result_dir, exist_ok=True)
     port = free_port()
-    process_env = _worker_env(result_dir, timeout, env)
+    process_env = worker_env(result_dir, timeout, env, nprocs=nproc_per_node)
     log_paths = [
         os.path.join(result_dir, f"node{node}.log") for node in range(nnodes)
     ]

@@ -53,7 +53,7 @@ class Launches:
         """Per-rank reports of the launch on `nprocs` processes."""
         if nprocs not in self.results:
             try:
-                self.results[nprocs] = harness.launch_retrying_gloo_abort(
+                self.results[nprocs] = harness.launch(
                     "metrics_worker.py",
                     nprocs,
                     self.tmp_path_factory.mktemp(f"p{nprocs}"),

@@ -1,0 +1,54 @@
+"""The environment that the harness gives its worker processes.
+
+Workers run on CPU and gloo whatever GPUs are visible, unless
+`KERAS_DTENSOR_TEST_NCCL=1` asks for NCCL and there is one GPU per
+process; every launch checks its collectives with
+`TORCH_DISTRIBUTED_DEBUG=DETAIL`.
+"""
+
+import harness
+
+BASE = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_default_hides_gpus_and_checks_collectives():
+    env = harness.worker_env("/results", 240, base=BASE, nprocs=2, gpu_count=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert env["KERAS_BACKEND"] == "torch"
+    assert env["KERAS_DTENSOR_TIMEOUT_SECONDS"] == "120"
+    assert env[harness.RESULT_DIR_ENV] == "/results"
+    assert env["PATH"] == "/usr/bin"
+
+
+def test_nccl_opt_in_keeps_gpus_when_there_are_enough():
+    base = dict(BASE, **{harness.NCCL_ENV_VAR: "1"})
+    env = harness.worker_env("/results", 240, base=base, nprocs=2, gpu_count=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+
+
+def test_nccl_opt_in_falls_back_to_cpu_with_too_few_gpus():
+    base = dict(BASE, **{harness.NCCL_ENV_VAR: "1"})
+    env = harness.worker_env("/results", 240, base=base, nprocs=4, gpu_count=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_extra_env_applies_last():
+    env = harness.worker_env(
+        "/results",
+        240,
+        env={"TORCH_DISTRIBUTED_DEBUG": "OFF"},
+        base=BASE,
+        gpu_count=0,
+    )
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "OFF"
+
+
+def test_os_environ_is_the_default_base(monkeypatch):
+    monkeypatch.setenv("KERAS_DTENSOR_HARNESS_PROBE", "x")
+    monkeypatch.delenv(harness.NCCL_ENV_VAR, raising=False)
+    env = harness.worker_env("/results", 20)
+    assert env["KERAS_DTENSOR_HARNESS_PROBE"] == "x"
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["KERAS_DTENSOR_TIMEOUT_SECONDS"] == "30"
