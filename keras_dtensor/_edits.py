@@ -250,15 +250,22 @@ def edit_trainer_input_distribution(trainer_module):
 
     The step functions that `make_train_function`, `make_test_function`
     and `make_predict_function` build (compiled or not) are wrapped by
-    `distribute_step_inputs`. Without a distribution the step is
-    upstream's.
+    `distribute_step_inputs`, and, under a distribution, a model built
+    before it was set fails with a clear error instead of inside a kernel.
+    Without a distribution the step is upstream's.
     """
+    from keras.src.backend.common import global_state
 
     def wrap_maker(function_name):
         upstream_maker = getattr(trainer_module.TorchTrainer, function_name)
 
         def make_function(self, force=False):
             upstream_maker(self, force=force)
+            distribution = global_state.get_global_attribute("distribution")
+            if distribution is not None:
+                _torch_distribution_lib().check_model_distributed(
+                    self, distribution
+                )
             attribute = function_name[len("make_") :]
             step_fn = getattr(self, attribute)
             if step_fn is not None and not getattr(
@@ -305,6 +312,7 @@ def edit_layer_call_distributes_inputs(layer_module):
             any_symbolic_tensors(args, kwargs)
         ):
             return upstream_call(self, *args, **kwargs)
+        distribution_lib.check_model_distributed(self, distribution)
         args, kwargs = distribution_lib.distribute_data(
             (args, kwargs), distribution
         )

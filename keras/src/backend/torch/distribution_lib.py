@@ -293,8 +293,8 @@ def distribute_tensor(tensor, layout):
     Symbolic tensors and non-tensors are returned unchanged, so functional
     model construction is never affected. A DTensor is redistributed to the
     layout, and, as with JAX's sharding constraints, so is its gradient in
-    the backward pass; a plain tensor is taken as the full value held by
-    process 0.
+    the backward pass; a plain tensor or numpy array is taken as the full
+    value held by process 0.
 
     Args:
         tensor: a tensor or a nested structure of tensors.
@@ -308,6 +308,8 @@ def distribute_tensor(tensor, layout):
     layout = _backend_layout(layout)
 
     def distribute_one(x):
+        if isinstance(x, np.ndarray):
+            x = _to_device_tensor(x, layout.mesh)
         if isinstance(x, KerasTensor) or not isinstance(x, torch.Tensor):
             return x
         if x.device.type == "meta":
@@ -629,7 +631,14 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
 
     Each process passes its own part of the global batch, split along the
     batch axis (processes of one model replica pass the same part). The
-    result is the global batch as a DTensor: nothing is communicated.
+    result is the global batch as a DTensor: the concatenation of the
+    parts, in the order of the processes along the batch axis. Parts may
+    differ in size (a per-process loader's short last batch): every
+    process first learns the others' shapes (a small all-gather), and
+    parts that do not match DTensor's split of the global batch are
+    exchanged so that each process holds its share of it.
+
+    Every process must call this function, in the same order.
 
     Args:
         per_process_batch: tensor or array, this process's part of the batch.
@@ -639,24 +648,173 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     Returns:
         A DTensor holding the global batch.
     """
-    layout = _backend_layout(layout)
-    local = _to_device_tensor(per_process_batch, layout.mesh)
-    global_shape = list(local.shape)
-    for axis_names, placement in zip(
-        layout.mesh.mesh_dim_names, layout.placements
-    ):
-        if placement.is_shard():
-            global_shape[placement.dim] *= layout.mesh.size(
-                layout.mesh.mesh_dim_names.index(axis_names)
-            )
-    return DTensor.from_local(
-        local,
-        layout.mesh,
-        layout.placements,
-        run_check=False,
-        shape=torch.Size(global_shape),
-        stride=_contiguous_strides(global_shape),
+    del batch_dim_name  # The layout says which mesh axes split the batch.
+    (value,) = _distribute_process_parts([per_process_batch], [layout])
+    return value
+
+
+def _distribute_process_parts(parts, layouts):
+    """Builds global batches from every process's parts of them.
+
+    Args:
+        parts: this process's part of each global batch (tensors or
+            arrays), the same number of them on every process.
+        layouts: the layout of each global batch.
+
+    Returns:
+        A list with one DTensor per part.
+    """
+    layouts = [_backend_layout(layout) for layout in layouts]
+    locals_ = [
+        _to_device_tensor(part, layout.mesh)
+        for part, layout in zip(parts, layouts)
+    ]
+    shapes = _gather_part_shapes([tuple(x.shape) for x in locals_])
+    _check_part_shapes(shapes)
+    return [
+        _global_batch_from_parts(local, layout, [s[i] for s in shapes])
+        for i, (local, layout) in enumerate(zip(locals_, layouts))
+    ]
+
+
+def _gather_part_shapes(shapes):
+    """Every process's list of part shapes, in rank order.
+
+    Two small all-gathers of fixed size: the length of each process's
+    encoded shapes, then the encodings padded to the longest.
+    """
+    if num_processes() == 1:
+        return [shapes]
+    encoded = [len(shapes)]
+    for shape in shapes:
+        encoded += [len(shape), *shape]
+    device = _collective_device()
+    length = torch.tensor([len(encoded)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(num_processes())]
+    dist.all_gather(lengths, length)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.int64, device=device)
+    padded[: len(encoded)] = torch.tensor(encoded, dtype=torch.int64)
+    gathered = [torch.empty_like(padded) for _ in range(num_processes())]
+    dist.all_gather(gathered, padded)
+    return [_decode_part_shapes(g.tolist()) for g in gathered]
+
+
+def _decode_part_shapes(encoded):
+    shapes = []
+    position = 1
+    for _ in range(encoded[0]):
+        rank = encoded[position]
+        shapes.append(tuple(encoded[position + 1 : position + 1 + rank]))
+        position += 1 + rank
+    return shapes
+
+
+def _check_part_shapes(shapes):
+    """Parts may differ only in their batch size (dimension 0).
+
+    Raises the same ValueError on every process (each one sees every
+    process's shapes), before any data is exchanged.
+    """
+    first = shapes[0]
+    consistent = all(
+        len(other) == len(first)
+        and all(
+            len(a) == len(b) and len(a) > 0 and a[1:] == b[1:]
+            for a, b in zip(other, first)
+        )
+        for other in shapes
     )
+    if not consistent:
+        listing = "; ".join(
+            f"process {rank}: {shape}" for rank, shape in enumerate(shapes)
+        )
+        raise ValueError(
+            "With `auto_shard_dataset=False`, each process passes its part "
+            "of the global batch: the parts may differ in their batch size "
+            "(first dimension) only, and every process must pass the same "
+            f"structure. Received the shapes {listing}."
+        )
+
+
+def _global_batch_from_parts(local, layout, part_shapes):
+    """The global batch as a DTensor, from the parts of all processes.
+
+    Args:
+        local: this process's part, a tensor on the mesh's device.
+        layout: the `DTensorLayout` of the global batch.
+        part_shapes: the shape of every process's part, in rank order.
+    """
+    mesh = layout.mesh
+    batch_dims = [
+        d for d, p in enumerate(layout.placements) if p.is_shard(dim=0)
+    ]
+    sizes = _part_sizes_by_shard(mesh, batch_dims, part_shapes)
+    global_shape = (sum(sizes), *local.shape[1:])
+    if sizes == _even_split(global_shape[0], len(sizes)):
+        return DTensor.from_local(
+            local,
+            mesh,
+            layout.placements,
+            run_check=False,
+            shape=torch.Size(global_shape),
+            stride=_contiguous_strides(global_shape),
+        )
+    if len(batch_dims) != 1 or isinstance(
+        layout.placements[batch_dims[0]], _StridedShard
+    ):
+        raise ValueError(
+            "Per-process batches of different sizes "
+            f"{sizes} need the batch split over one mesh axis; the layout "
+            f"{layout.axes} on mesh {layout.keras_mesh} splits it over "
+            f"mesh dims {batch_dims}."
+        )
+    full = _gather_parts(local, mesh.get_group(batch_dims[0]), sizes)
+    return _dtensor_distribute(
+        full, mesh, layout.placements, src_data_rank=None
+    )
+
+
+def _part_sizes_by_shard(mesh, batch_dims, part_shapes):
+    """The batch size of each data shard, in the order of the global batch.
+
+    Processes with the same coordinates on the mesh dims that split the
+    batch pass the same part; their sizes must agree.
+    """
+    ranks = mesh.mesh.cpu().numpy()
+    split_shape = tuple(ranks.shape[d] for d in batch_dims)
+    sizes = {}
+    for rank, shape in enumerate(part_shapes):
+        coordinate = np.argwhere(ranks == rank)[0]
+        shard = int(
+            np.ravel_multi_index(
+                tuple(coordinate[d] for d in batch_dims), split_shape
+            )
+        )
+        if sizes.setdefault(shard, shape[0]) != shape[0]:
+            raise ValueError(
+                "Processes of one model replica must pass the same part of "
+                f"the global batch: process {rank} passed {shape[0]} rows "
+                f"where another process of data shard {shard} passed "
+                f"{sizes[shard]}."
+            )
+    return [sizes[shard] for shard in sorted(sizes)]
+
+
+def _even_split(total, parts):
+    """DTensor's split of `total` rows over `parts` shards (torch.chunk's)."""
+    size = -(-total // parts)
+    return [max(0, min(size, total - i * size)) for i in range(parts)]
+
+
+def _gather_parts(local, group, sizes):
+    """All-gathers parts of different sizes along dimension 0."""
+    longest = max(sizes)
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded.contiguous(), group=group)
+    return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
 
 
 def distribute_global_batch(global_batch, layout):
@@ -700,12 +858,23 @@ def distribute_data(data, distribution):
     def distribute_one(x):
         if isinstance(x, DTensor) or not _is_batch_array(x):
             return x
-        layout = distribution.get_data_layout(x.shape)
-        if distribution.auto_shard_dataset:
-            return distribute_global_batch(x, layout)
-        return distribute_data_input(x, layout, distribution.batch_dim_name)
+        return distribute_global_batch(x, distribution.get_data_layout(x.shape))
 
-    return tree.map_structure(distribute_one, data)
+    if distribution.auto_shard_dataset:
+        return tree.map_structure(distribute_one, data)
+    leaves = tree.flatten(data)
+    parts = [
+        i
+        for i, x in enumerate(leaves)
+        if _is_batch_array(x) and not isinstance(x, DTensor)
+    ]
+    distributed = _distribute_process_parts(
+        [leaves[i] for i in parts],
+        [distribution.get_data_layout(leaves[i].shape) for i in parts],
+    )
+    for i, value in zip(parts, distributed):
+        leaves[i] = value
+    return tree.pack_sequence_as(data, leaves)
 
 
 def all_reduce(x, op="sum", axis_name=None):
@@ -767,6 +936,38 @@ def all_gather(x, axis=0, axis_name=None):
     parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, value.contiguous(), group=group)
     return torch.cat(parts, dim=axis)
+
+
+def check_model_distributed(model, distribution):
+    """Checks that a model's variables were created under `distribution`.
+
+    A model built before `set_distribution` holds plain tensors, which
+    would meet the distributed inputs inside a kernel ("got mixed
+    torch.Tensor and DTensor"). The check runs once per model and
+    distribution, and reads no values (it communicates nothing).
+
+    Args:
+        model: the `Layer` or `Model` about to run a distributed step.
+        distribution: the active `Distribution`.
+
+    Raises:
+        ValueError: naming the first variable that is not distributed.
+    """
+    if getattr(model, "_dtensor_checked_distribution", None) is distribution:
+        return
+    for variable in model.weights:
+        if not isinstance(getattr(variable, "_value", None), DTensor):
+            raise ValueError(
+                f"The variable '{variable.path}' with shape "
+                f"{tuple(variable.shape)} of {model.__class__.__name__} "
+                f"'{model.name}' was created before the distribution "
+                f"{distribution.__class__.__name__} on mesh "
+                f"{distribution.device_mesh} was set, so it is not "
+                "distributed. Build the model (and create its variables) "
+                "after `keras.distribution.set_distribution(...)` or inside "
+                "`distribution.scope()`."
+            )
+    model._dtensor_checked_distribution = distribution
 
 
 def validate_layout(shape, layout, path=None, require_divisible=True):
@@ -844,13 +1045,17 @@ def _axes_to_placements(axes, device_mesh):
             used[name] = tensor_dim
             mesh_dims.append(axis_names.index(name))
         for position, mesh_dim in enumerate(mesh_dims):
+            if mesh_shape[mesh_dim] == 1:
+                # As on JAX, an axis of size 1 splits nothing. A `Shard` on
+                # it would only make DTensor refuse views of the dimension.
+                continue
             # Mesh axes named earlier are the major ones. DTensor splits in
             # mesh-axis order, so an axis that follows a major axis in the
             # mesh must be split with the major axes' size as a stride.
             split_factor = math.prod(
                 mesh_shape[d] for d in mesh_dims[:position] if d > mesh_dim
             )
-            if split_factor == 1 or mesh_shape[mesh_dim] == 1:
+            if split_factor == 1:
                 placements[mesh_dim] = Shard(tensor_dim)
             else:
                 placements[mesh_dim] = _StridedShard(
@@ -956,6 +1161,7 @@ def _parse_device_name(device_name):
 
 
 def _standardize_device_type(device_type):
+    """`"cpu"` or `"gpu"`; a device type this machine lacks is an error."""
     if device_type is None:
         return "gpu" if torch.cuda.is_available() else "cpu"
     device_type = device_type.lower()
@@ -965,6 +1171,13 @@ def _standardize_device_type(device_type):
         raise ValueError(
             f"Unsupported device_type={device_type!r} for the torch backend. "
             "Expected 'cpu' or 'gpu'."
+        )
+    if device_type == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            "device_type='gpu' is not available: torch sees no CUDA device "
+            f"(torch {torch.__version__}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            ". Available device types: ['cpu']."
         )
     return device_type
 
@@ -1039,14 +1252,32 @@ def _init_process_group(job_addresses, num_processes, process_id):
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs["store"] = dist.HashStore()
     if torch.cuda.is_available():
-        local_rank = int(
-            os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())
-        )
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(_local_cuda_device(rank))
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
     dist.init_process_group(backend=backend, **kwargs)
+
+
+def _local_cuda_device(rank):
+    """The CUDA device of this process: its `LOCAL_RANK`.
+
+    Raises:
+        ValueError: when this machine has no device for that local rank.
+    """
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % count))
+    if local_rank >= count:
+        raise ValueError(
+            f"Process with LOCAL_RANK={local_rank} (rank {rank}) has no CUDA "
+            f"device: {count} device(s) are visible on this machine "
+            f"(CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Start at most "
+            f"{count} process(es) per machine (`torchrun "
+            f"--nproc_per_node={count}`), make more GPUs visible, or run on "
+            'CPU with gloo (CUDA_VISIBLE_DEVICES="").'
+        )
+    return local_rank
 
 
 def _cpu_attention_sharding(query, key, value, *args, **kwargs):

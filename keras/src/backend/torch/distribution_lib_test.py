@@ -5,6 +5,8 @@ building a torch mesh needs the processes to exist, so values on real
 multi-process meshes are tested in `integration_tests/foundation_test.py`.
 """
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from keras.src import optimizers
 from keras.src import testing
 from keras.src.backend.torch import distribution_lib
 from keras.src.distribution import distribution_lib as distribution_api
+from keras.src.utils import rng_utils
 
 
 def mesh_of(shape, axis_names):
@@ -49,6 +52,29 @@ class DevicesTest(testing.TestCase):
     def test_unknown_device_type(self):
         with self.assertRaisesRegex(ValueError, "tpu"):
             distribution_lib.list_devices("tpu")
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="needs no CUDA")
+    def test_unavailable_device_type_is_an_error(self):
+        for call in (
+            distribution_lib.list_devices,
+            distribution_lib.get_device_count,
+        ):
+            with self.assertRaisesRegex(
+                ValueError, "'gpu' is not available.*Available.*'cpu'"
+            ):
+                call("gpu")
+
+    def test_local_rank_without_a_device_is_named(self):
+        with mock.patch.object(torch.cuda, "device_count", return_value=1):
+            with mock.patch.dict("os.environ", {"LOCAL_RANK": "1"}):
+                with self.assertRaisesRegex(
+                    ValueError,
+                    r"LOCAL_RANK=1 \(rank 1\) has no CUDA device: 1 "
+                    r"device\(s\) are visible.*--nproc_per_node=1",
+                ):
+                    distribution_lib._local_cuda_device(1)
+            with mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}):
+                self.assertEqual(distribution_lib._local_cuda_device(1), 0)
 
     def test_to_backend_device(self):
         self.assertEqual(
@@ -222,20 +248,22 @@ class SingleProcessDistributionTest(testing.TestCase):
         for variable in model.weights:
             self.assertIsInstance(variable.value, DTensor)
             self.assertIsInstance(variable.value, torch.nn.Parameter)
+        # As on JAX, a mesh axis of size 1 splits nothing.
         self.assertEqual(
-            tuple(model.layers[0].kernel.value.placements), (Shard(1),)
+            tuple(model.layers[0].kernel.value.placements), (Replicate(),)
         )
-        self.assertIn("placements=(Shard(dim=1),)", repr(model.weights[0]))
+        self.assertIn("placements=(Replicate(),)", repr(model.weights[0]))
         optimizer = optimizers.Adam()
         optimizer.build(model.trainable_variables)
         self.assertEqual(
-            tuple(optimizer.variables[2].value.placements), (Shard(1),)
+            tuple(optimizer.variables[2].value.placements), (Replicate(),)
         )
 
     def test_explicit_layout_wins(self):
         layout = distribution_api.TensorLayout(("model", None), self.mesh)
         variable = backend.Variable(np.ones((2, 2)), layout=layout)
-        self.assertEqual(tuple(variable.value.placements), (Shard(0),))
+        self.assertIsInstance(variable.value, DTensor)
+        self.assertEqual(variable._layout, layout)
 
     def test_assign_and_numpy(self):
         distribution_api.set_distribution(
@@ -279,6 +307,72 @@ class SingleProcessDistributionTest(testing.TestCase):
         layout = distribution_api.TensorLayout(("model",), self.mesh)
         with self.assertRaisesRegex(ValueError, "has rank 2"):
             distribution_lib.distribute_tensor(torch.ones(2, 2), layout)
+
+    def test_distribute_tensor_takes_numpy_arrays(self):
+        layout = distribution_api.TensorLayout((None, "model"), self.mesh)
+        value = np.arange(6, dtype="float32").reshape(2, 3)
+        result = distribution_lib.distribute_tensor(value, layout)
+        self.assertIsInstance(result, DTensor)
+        self.assertEqual(tuple(result.shape), (2, 3))
+        self.assertAllClose(result.full_tensor().numpy(), value)
+
+    def test_model_built_before_the_distribution_is_named(self):
+        model = models.Sequential(
+            [layers.Input((3,)), layers.Dense(2, name="early")]
+        )
+        distribution_api.set_distribution(
+            distribution_api.DataParallel(devices=["cpu:0"])
+        )
+        for call in (
+            lambda: model.predict(np.ones((2, 3)), verbose=0),
+            lambda: model(np.ones((2, 3))),
+        ):
+            with self.assertRaisesRegex(
+                ValueError,
+                r"'sequential.*/early/kernel' with shape \(3, 2\).*created "
+                r"before the distribution DataParallel.*Build the model",
+            ):
+                call()
+
+    def test_size_one_axes_split_nothing(self):
+        """A model on a (1, 1) mesh with sharded layouts trains as one
+        without a distribution: size-1 axes are replicated."""
+        x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+        y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
+
+        def train():
+            rng_utils.set_random_seed(3)
+            model = models.Sequential(
+                [
+                    layers.Input((4,)),
+                    layers.Dense(4, activation="relu", name="a"),
+                    layers.Dense(1, activation="sigmoid", name="b"),
+                ]
+            )
+            model.compile(
+                "sgd",
+                "binary_crossentropy",
+                metrics=["binary_accuracy", "true_positives"],
+            )
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+            return history.history, model.evaluate(x, y, verbose=0)
+
+        expected = train()
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        layout_map = distribution_api.LayoutMap(mesh)
+        layout_map[".*a/kernel"] = (None, "model")
+        layout_map[".*b/kernel"] = ("model", None)
+        layout_map[".*b/output"] = ("batch", "model")
+        distribution_api.set_distribution(
+            distribution_api.ModelParallel(layout_map=layout_map)
+        )
+        history, evaluation = train()
+        self.assertEqual(history.keys(), expected[0].keys())
+        for key in history:
+            self.assertAllClose(history[key], expected[0][key], rtol=1e-6)
+        self.assertAllClose(evaluation, expected[1], rtol=1e-6)
 
     def test_collectives_single_process(self):
         value = np.array([1.0, 2.0], dtype="float32")
