@@ -16,9 +16,10 @@ MESHES = [(2, "2"), (2, "1,2"), (2, "2,1"), (4, "2,2")]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """Plain Keras on one process, without any distribution."""
     tmp_path = tmp_path_factory.mktemp("reference")
-    (report,) = harness.launch("foundation_worker.py", 1, tmp_path, ["1"])
-    return harness.run_values(report, "1")
+    (report,) = harness.launch("foundation_worker.py", 1, tmp_path, ["single"])
+    return harness.run_values(report, "single")
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +71,18 @@ def coordinate(rank, shape):
     return np.unravel_index(rank, shape)
 
 
+def on_mesh(placements, shape):
+    """`placements` as laid out on a mesh of `shape`: as on JAX, an axis of
+    size 1 splits nothing, so it holds `R` whatever the layout names."""
+    return [p if size > 1 else "R" for p, size in zip(placements, shape)]
+
+
 def expected_placements(shape, shard_dim):
     _, _, model_dim = axis_sizes(shape)
     placements = ["R"] * len(shape)
     if shard_dim is not None:
         placements[model_dim] = f"S({shard_dim})"
-    return placements
+    return on_mesh(placements, shape)
 
 
 def chunk(full, dim, index, parts):
@@ -243,17 +250,77 @@ def test_collectives(run):
         )
 
 
-def test_layer_output_layouts(run, reference):
+# Placements of the `<layer path>/output` layouts that the worker sets,
+# by mesh rank, before `on_mesh`: `pair` returns a tuple, `named` a dict,
+# `proj` one tensor.
+OUTPUT_PLACEMENTS = {
+    1: {
+        "pair": ["S(1)"],
+        "named": ["S(0)"],
+        "proj": ["S(0)"],
+    },
+    2: {
+        "pair": ["S(0)", "S(1)"],
+        "named": ["R", "S(1)"],
+        "proj": ["S(0)", "R"],
+    },
+}
+OUTPUT_LAYERS = {
+    "proj": "proj",
+    "pair_0": "pair",
+    "pair_1": "pair",
+    "named_double": "named",
+    "named_shift": "named",
+}
+
+
+def local_shard(full, placements, coordinates, shape):
+    """The part of `full` that a process holds under `placements`."""
+    local = np.asarray(full)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.startswith("S("):
+            dim = int(placement[2:-1])
+            local = chunk(local, dim, coordinates[mesh_dim], shape[mesh_dim])
+    return local
+
+
+@pytest.mark.parametrize("output", sorted(OUTPUT_LAYERS))
+def test_layer_output_layouts(run, reference, output):
+    """Every tensor of a layer's output, be it a tuple or a dict, takes the
+    layer's output layout, and holds plain Keras's values."""
     _, shape, reports = run
-    expected = ["S(0)"] if len(shape) == 1 else ["S(0)", "R"]
-    for report in reports:
-        assert report["outputs/proj/placements"] == expected
+    placements = on_mesh(
+        OUTPUT_PLACEMENTS[len(shape)][OUTPUT_LAYERS[output]], shape
+    )
+    expected = np.asarray(reference[f"outputs/{output}/value"])
+    for rank, report in enumerate(reports):
+        assert report[f"outputs/{output}/placements"] == placements
         np.testing.assert_allclose(
-            np.asarray(report["outputs/proj/value"]),
-            np.asarray(reference["outputs/proj/value"]),
+            np.asarray(report[f"outputs/{output}/value"]),
+            expected,
             rtol=1e-6,
             atol=1e-6,
         )
+        np.testing.assert_allclose(
+            np.asarray(report[f"outputs/{output}/local"]),
+            local_shard(expected, placements, coordinate(rank, shape), shape),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
+
+def test_first_use_initializes_without_initialize(launches):
+    """No worker call to `initialize()`: `list_devices()` joins torchrun's
+    process group, with every process and the right rank."""
+    for nprocs in sorted({n for n, _ in MESHES}):
+        for rank, report in enumerate(launches(nprocs)):
+            assert report["initialized_before_first_use"] is False
+            assert report["initialized_after_first_use"] is True
+            assert report["first_use/world_size"] == nprocs
+            assert report["first_use/rank"] == rank
+            assert report["first_use/devices"] == [
+                f"cpu:{i}" for i in range(nprocs)
+            ]
 
 
 def test_invalid_layouts_name_path_shape_layout_mesh_and_axis(run):

@@ -3,7 +3,10 @@
 Usage: foundation_worker.py MESH_SHAPE [MESH_SHAPE ...], e.g. `2`, `1,2`,
 `2,1` or `2,2`; the values of each mesh are reported under `<MESH_SHAPE>/`.
 A 1-D mesh has the axis `model`; a 2-D mesh has `batch` and `model`.
-Run with a single process and MESH_SHAPE `1` for the reference values.
+With the single argument `single` (one process), it reports the reference
+values under `single/`: plain Keras, without any distribution.
+The worker never calls `keras.distribution.initialize()`: under torchrun,
+the first use of `keras.distribution` initializes on its own.
 """
 
 import sys
@@ -160,26 +163,68 @@ def check_errors(mesh):
     )
 
 
-def check_outputs(mesh):
-    """`<layer path>/output` layouts, also on layers returning tuples."""
+class Pair(keras.layers.Layer):
+    """Returns a tuple of two tensors."""
 
-    class Pair(keras.layers.Layer):
-        def call(self, x):
-            return x * 2.0, x + 1.0
+    def call(self, x):
+        return x * 2.0, x + 1.0
 
+
+class Named(keras.layers.Layer):
+    """Returns a dict of two tensors."""
+
+    def call(self, x):
+        return {"double": x * 2.0, "shift": x - 1.0}
+
+
+def build_outputs_model():
+    """A model whose outputs include a tuple and a dict layer's tensors."""
+    keras.utils.set_random_seed(11)
     inputs = keras.Input((8,))
     first, second = Pair(name="pair")(inputs)
-    out = keras.layers.Dense(8, name="proj")(first + second)
-    model = keras.Model(inputs, out)
-    x = np.arange(4 * 8, dtype="float32").reshape(4, 8) / 10.0
+    named = Named(name="named")(inputs)
+    mixed = first + second + named["double"] * named["shift"]
+    out = keras.layers.Dense(8, name="proj")(mixed)
+    outputs = {
+        "proj": out,
+        "pair_0": first,
+        "pair_1": second,
+        "named_double": named["double"],
+        "named_shift": named["shift"],
+    }
+    return keras.Model(inputs, outputs)
+
+
+def outputs_input():
+    return np.arange(4 * 8, dtype="float32").reshape(4, 8) / 10.0
+
+
+def check_outputs(mesh):
+    """`<layer path>/output` layouts, on layers returning a tensor, a tuple
+    and a dict: the placements, local shards and full values of each."""
+    model = build_outputs_model()
     batch = backend_dlib.distribute_global_batch(
-        x,
+        outputs_input(),
         keras.distribution.TensorLayout((mesh.axis_names[0], None), mesh),
     )
-    result = model(batch)
-    record("outputs/proj/placements", [str(p) for p in result.placements])
-    record("outputs/proj/value", keras.ops.convert_to_numpy(result))
-    record("outputs/reference", x)
+    for name, result in model(batch).items():
+        record(
+            f"outputs/{name}/placements", [str(p) for p in result.placements]
+        )
+        record(f"outputs/{name}/local", result.to_local().detach().numpy())
+        record(f"outputs/{name}/value", keras.ops.convert_to_numpy(result))
+
+
+def reference():
+    """The reference values, from plain Keras without any distribution."""
+    keras.utils.set_random_seed(7)
+    model = build_model()
+    for variable in model.variables:
+        record(f"full/{variable.path}", variable.numpy())
+    record("weights", [w.tolist() for w in model.get_weights()])
+    outputs = build_outputs_model()(outputs_input())
+    for name, result in outputs.items():
+        record(f"outputs/{name}/value", keras.ops.convert_to_numpy(result))
 
 
 def check_progbar(model):
@@ -215,9 +260,11 @@ def check_mesh(mesh_shape):
     layout_map["down.kernel"] = ("model", None)  # torch-style separator
     if len(axes) == 1:
         layout_map["pair/output"] = (None, "model")
+        layout_map["named/output"] = ("model", None)
         layout_map["proj/output"] = ("model", None)
     else:
         layout_map["pair/output"] = ("batch", "model")
+        layout_map["named/output"] = (None, "model")
         layout_map["proj/output"] = ("batch", None)
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map)
@@ -256,8 +303,26 @@ def check_unseeded_variables():
     keras.distribution.set_distribution(None)
 
 
+def check_initializes_on_first_use():
+    """Nothing calls `initialize()`: under torchrun, the first use of
+    `keras.distribution` joins the process group on its own."""
+    import torch.distributed as dist
+
+    record("initialized_before_first_use", dist.is_initialized())
+    devices = keras.distribution.list_devices()
+    record("initialized_after_first_use", dist.is_initialized())
+    record("first_use/devices", devices)
+    record("first_use/world_size", dist.get_world_size())
+    record("first_use/rank", dist.get_rank())
+
+
 def main():
-    keras.distribution.initialize()
+    if sys.argv[1:] == ["single"]:
+        with worker_utils.prefixed("single"):
+            reference()
+        worker_utils.report()
+        return
+    check_initializes_on_first_use()
     check_unseeded_variables()
     for mesh_arg in sys.argv[1:]:
         with worker_utils.prefixed(mesh_arg):
