@@ -5,7 +5,8 @@
 returns) without a distribution, and on 2 gloo processes under
 `DataParallel` and `ModelParallel` (1, 2). Every rank must stop at the
 same epoch, use the same learning rates and stop on the same NaN batch as
-the single-process run, with the same history.
+the single-process run, with the same history; and batch-end callbacks
+run on the main thread.
 """
 
 import harness
@@ -75,3 +76,24 @@ def test_terminate_on_nan_stops_on_the_same_batch(reports, mode):
     for report in distributed:
         assert report[f"{mode}/nan/batches"] == single["single/nan/batches"]
         assert report[f"{mode}/nan/stop_training"] is True
+
+
+def test_async_safe_callbacks_leave_the_main_thread_without_distribution(
+    reports,
+):
+    # Upstream's dispatch, which the next test must see undone: without a
+    # distribution, an `async_safe` batch-end callback runs on a worker
+    # thread (so the next test can fail).
+    single, _ = reports
+    on_main = single["single/early_stopping/batch_end_on_main_thread"]
+    assert len(on_main) > 0
+    assert not any(on_main)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_end_callbacks_run_on_the_main_thread(reports, mode):
+    single, distributed = reports
+    batches = len(single["single/early_stopping/batch_end_on_main_thread"])
+    for report in distributed:
+        on_main = report[f"{mode}/early_stopping/batch_end_on_main_thread"]
+        assert on_main == [True] * batches

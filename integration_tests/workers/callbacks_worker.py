@@ -4,7 +4,8 @@ Usage: callbacks_worker.py MODE [MODE ...], MODE being `single`, `dp`
 (`DataParallel`) or `mp` (`ModelParallel` on a (1, N) mesh with sharded
 kernels). For each MODE it reports, under `<MODE>/...`:
 - `early_stopping`: the epochs run and the history when `EarlyStopping`
-  stops training on a loss that improves too slowly;
+  stops training on a loss that improves too slowly, and whether each
+  batch end of an `async_safe` callback ran on the main thread;
 - `plateau`: the learning rate at the start of every epoch under
   `ReduceLROnPlateau`, and the history;
 - `nan`: the batches run before `TerminateOnNaN` stops training on a loss
@@ -12,6 +13,7 @@ kernels). For each MODE it reports, under `<MODE>/...`:
 """
 
 import sys
+import threading
 
 import numpy as np
 import worker_utils
@@ -65,6 +67,24 @@ class BatchCount(keras.callbacks.Callback):
         self.batches += 1
 
 
+class BatchEndThreads(keras.callbacks.Callback):
+    """Notes whether each `on_train_batch_end` runs on the main thread.
+
+    It declares itself `async_safe`, so upstream Keras may dispatch it to
+    a worker thread when no other callback forbids that.
+    """
+
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.on_main_thread = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        main = threading.current_thread() is threading.main_thread()
+        self.on_main_thread.append(main)
+
+
 def history_of(history):
     return {k: [float(v) for v in vs] for k, vs in history.history.items()}
 
@@ -89,8 +109,13 @@ def early_stopping(mode):
     stopping = keras.callbacks.EarlyStopping(
         monitor="loss", min_delta=0.05, patience=1
     )
-    _, history = fit([stopping], epochs=30)
+    threads = BatchEndThreads()
+    _, history = fit([stopping, threads], epochs=30)
     record(f"{mode}/early_stopping/epochs", len(history.epoch))
+    record(
+        f"{mode}/early_stopping/batch_end_on_main_thread",
+        threads.on_main_thread,
+    )
     record(f"{mode}/early_stopping/history", history_of(history))
 
 
