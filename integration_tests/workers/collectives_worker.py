@@ -8,7 +8,8 @@ being `MODE:OPTIMIZER[:CAP]`:
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
 After two warm-up steps, one `train_on_batch` runs under `CommDebugMode`;
-the counts per collective are reported under `<RUN>/counts`, with the
+the counts per collective are reported under `<RUN>/counts`, those of
+forward alone (up to the loss) under `<RUN>/forward_counts`, with the
 number of trainable variables, the losses, and the losses of the same
 model trained without a distribution on the same batches.
 """
@@ -51,6 +52,22 @@ MP_LAYOUTS = {
 }
 
 
+# The `CommDebugMode` of the counted step, while it runs.
+_COUNTING = []
+# The counts when the loss was computed, i.e. after forward.
+_FORWARD_COUNTS = {}
+
+
+def counted_mse(y_true, y_pred):
+    """Mean squared error; in the counted step, first notes the counts so
+    far (those of forward: the loss is computed right after it)."""
+    if _COUNTING:
+        counts = _COUNTING[-1].get_comm_counts()
+        _FORWARD_COUNTS.clear()
+        _FORWARD_COUNTS.update({str(op): n for op, n in counts.items() if n})
+    return keras.losses.mean_squared_error(y_true, y_pred)
+
+
 def train(mode, optimizer_name, distributed=True):
     """Returns the model and its losses over 3 steps (the last counted)."""
     # `tp` is tensor parallelism on the (1, N) mesh of `mp`.
@@ -65,13 +82,17 @@ def train(mode, optimizer_name, distributed=True):
         if optimizer_name == "sgd"
         else keras.optimizers.AdamW(0.01)
     )
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss=counted_mse)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, BATCH, FEATURES)).astype("float32")
     y = rng.normal(size=(3, BATCH, 4)).astype("float32")
     losses = [float(model.train_on_batch(x[i], y[i])) for i in range(2)]
     with CommDebugMode() as comm:
-        losses.append(float(model.train_on_batch(x[2], y[2])))
+        _COUNTING.append(comm)
+        try:
+            losses.append(float(model.train_on_batch(x[2], y[2])))
+        finally:
+            _COUNTING.pop()
     counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
     return model, losses, counts
 
@@ -83,6 +104,7 @@ def run(spec):
     model, losses, counts = train(mode, optimizer_name)
     os.environ.pop("KERAS_DTENSOR_BUCKET_CAP_MB", None)
     record(f"{spec}/counts", counts)
+    record(f"{spec}/forward_counts", dict(_FORWARD_COUNTS))
     record(f"{spec}/trainable", len(model.trainable_variables))
     record(f"{spec}/losses", losses)
     _, reference, _ = train(mode, optimizer_name, distributed=False)
