@@ -30,6 +30,7 @@ from keras.src import tree
 from keras.src.backend.common import global_state
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import sharding_rules
 
 TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_SECONDS = 600
@@ -1353,3 +1354,6 @@ def _scatter_reduce_sharding(self, dim, index, src, reduce, *args, **kwargs):
 
 
 register_sharding(torch.ops.aten.scatter_reduce.two)(_scatter_reduce_sharding)
+
+# Rules that some supported torch releases lack (see `sharding_rules`).
+sharding_rules.register()
