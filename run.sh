@@ -83,6 +83,10 @@ install_test() {
 # Sets up the environment for $1 (example or test).
 setup() {
     if [[ "${KERAS_DTENSOR_SETUP:-1}" == 0 ]]; then
+        if [[ ! -x "$PY" ]]; then
+            say "KERAS_DTENSOR_SETUP=0, but $VENV has no bin/python"
+            exit 1
+        fi
         say "KERAS_DTENSOR_SETUP=0: using $VENV as it is"
         return
     fi

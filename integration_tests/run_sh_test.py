@@ -188,6 +188,10 @@ def test_setup_0_and_another_venv_install_nothing(tmp_path):
     assert (status, calls) == (0, [_example_call(3)])
     assert not (checkout.root / ".venv").exists()
 
+    status, calls, stderr = checkout.run("test", KERAS_DTENSOR_SETUP="0")
+    assert (status, calls) == (1, [])
+    assert "has no bin/python" in stderr
+
 
 def test_unknown_command_prints_usage(tmp_path):
     checkout = FakeCheckout(tmp_path)
