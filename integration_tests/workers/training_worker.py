@@ -14,7 +14,9 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
     `local` (DataParallel with
     `auto_shard_dataset=False`: each process passes only its own part of
     every global batch, to `fit`, `evaluate`, `predict` and a direct call;
-    without a distribution the data is passed whole).
+    without a distribution the data is passed whole), `reversed` (`fit`
+    sees the rows of every batch in reverse order: the same training in
+    exact arithmetic, summed in another order).
 """
 
 import os
@@ -157,8 +159,20 @@ def batch_size(run):
     return BATCH_SIZE
 
 
+def reverse_within_batches(array):
+    """`array` with the rows of every batch of `BATCH_SIZE` reversed."""
+    return np.concatenate(
+        [
+            array[start : start + BATCH_SIZE][::-1]
+            for start in range(0, len(array), BATCH_SIZE)
+        ]
+    )
+
+
 def make_inputs(run, x, y):
     """Returns `fit` keyword arguments in the requested input form."""
+    if "reversed" in run.extra:
+        x, y = reverse_within_batches(x), reverse_within_batches(y)
     if "dict" in run.extra:
         name = "features" if run.model == "mlp" else "tokens"
         return {"x": {name: x}, "y": y, "batch_size": BATCH_SIZE}
