@@ -4,6 +4,27 @@ The PyTorch backend distributes with `torch.distributed` and DTensor: one
 process drives one device, a Keras `DeviceMesh` becomes a torch
 `DeviceMesh` over process ranks, and a `TensorLayout` becomes a tuple of
 DTensor placements, one per mesh axis.
+
+Collectives in lockstep. Every process issues the same collectives, in the
+same order, from the thread that runs the step; a collective paired with a
+different one is a crash on gloo ("Received data size doesn't match
+expected size"), and a hang or wrong numbers on NCCL. Hence:
+
+- Collectives are issued only by calls that every process makes in the
+  same order: `initialize`, `set_distribution` (which shares the seed
+  once, see `share_seed_once`, if `initialize` did not, and converts the
+  distribution's mesh, creating its process groups), the steps of
+  `fit`/`evaluate`/`predict`, `convert_to_numpy` and saving. Nothing that
+  may run on some processes only issues one: no property (a mesh's
+  `backend_mesh` shares no seed), no `repr`, no logging, no progress bar
+  (logs are Python floats on every process before callbacks see them).
+- Within a step, the order is fixed by the program, not by timing:
+  gradient buckets (`gradient_buckets`) are filled and sent by autograd's
+  hooks in the order the engine accumulates gradients, which on CPU runs
+  on the thread that called backward; batch-end callbacks run on the main
+  thread.
+- A process that stops taking part (it died, or skipped a call) makes the
+  others fail within `KERAS_DTENSOR_TIMEOUT_SECONDS`, never hang.
 """
 
 import collections
@@ -122,6 +143,22 @@ def initialize_rng():
     rng_utils.set_random_seed(int(seed.item()))
 
 
+def share_seed_once():
+    """Shares the global random seed, unless `initialize` already did.
+
+    Called by `keras.distribution.set_distribution` for each distribution
+    it sets: every process reaches it in the same order, so the broadcast
+    of `initialize_rng` is issued in lockstep. It covers a process group
+    created outside `initialize` (e.g. by `dist.init_process_group`);
+    with a single process nothing is shared.
+    """
+    if _SEED_SYNCHRONIZED:
+        return
+    _maybe_auto_initialize()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        initialize_rng()
+
+
 def num_processes():
     """Return the number of processes for the current distribution setting."""
     if dist.is_initialized():
@@ -183,9 +220,6 @@ def _to_backend_mesh(device_mesh):
             f"process, for all {world_size} processes. Received devices: "
             f"{np.ravel(device_mesh.devices).tolist()}"
         )
-    if not _SEED_SYNCHRONIZED:
-        # The process group was created outside `initialize`.
-        initialize_rng()
     mesh = TorchDeviceMesh(
         device_type,
         torch.as_tensor(ranks),
@@ -1209,7 +1243,8 @@ def _ensure_process_group():
     if dist.is_initialized():
         return
     if _launched_multi_process():
-        initialize()
+        # No seed broadcast here: this runs from property accesses.
+        _init_process_group(None, None, None)
         return
     dist.init_process_group(
         backend="gloo",
