@@ -395,6 +395,94 @@ def edit_progbar_on_process_zero(progbar_module):
     progbar_module.ProgbarLogger.set_params = set_params
 
 
+def edit_set_distribution_shares_seed(module):
+    """`set_distribution` shares the seed and converts the mesh, in lockstep.
+
+    Every process calls `set_distribution` in the same order, so the seed
+    broadcast that a process group created outside `initialize` needs
+    (`distribution_lib.share_seed_once`), and the creation of the mesh's
+    process groups, happen there rather than at a first use that some
+    processes may reach alone (a property, a log line).
+    """
+    if not _is_torch_backend():
+        return
+    upstream_set_distribution = module.set_distribution
+
+    def set_distribution(value):
+        if value is not None:
+            _torch_distribution_lib().share_seed_once()
+            value.device_mesh.backend_mesh
+        upstream_set_distribution(value)
+
+    module.set_distribution = set_distribution
+
+
+TRAINER_CALLS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+
+
+def collective_failure_note(operation):
+    """The note added to an error that ends `operation` on several processes.
+
+    Returns None without a multi-process distribution.
+    """
+    from keras.src.backend.common import global_state
+
+    distribution_lib = _torch_distribution_lib()
+    if global_state.get_global_attribute("distribution") is None:
+        return None
+    world_size = distribution_lib.num_processes()
+    if world_size == 1:
+        return None
+    return (
+        f"Raised in `{operation}` on process "
+        f"{distribution_lib.process_id()} of {world_size}. Under a "
+        f"multi-process distribution every process must call `{operation}`,"
+        " in the same order: a collective fails after "
+        f"{distribution_lib.TIMEOUT_ENV_VAR} seconds when a process died "
+        "or skipped the call (e.g. `if process_id == 0:`)."
+    )
+
+
+def edit_trainer_names_failed_calls(trainer_module):
+    """Errors from collectives name the trainer call they ended.
+
+    Under a multi-process distribution, a `RuntimeError` (what gloo and
+    NCCL raise on a timeout or a lost peer) that ends `fit`, `evaluate`,
+    `predict` or a `*_on_batch` call gets a note naming the call and the
+    process.
+    """
+
+    def wrap(name):
+        upstream = getattr(trainer_module.TorchTrainer, name)
+
+        def method(self, *args, **kwargs):
+            try:
+                return upstream(self, *args, **kwargs)
+            except RuntimeError as error:
+                note = collective_failure_note(name)
+                noted = any(
+                    n.startswith("Raised in `")
+                    for n in getattr(error, "__notes__", ())
+                )
+                if note is not None and not noted:
+                    error.add_note(note)
+                raise
+
+        method.__name__ = upstream.__name__
+        method.__doc__ = upstream.__doc__
+        setattr(trainer_module.TorchTrainer, name, method)
+
+    for name in TRAINER_CALLS:
+        wrap(name)
+
+
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -410,9 +498,11 @@ POST_IMPORT_EDITS = {
     "keras.src.distribution.distribution_lib": lambda: [
         edit_distribution_api_binding,
         edit_tensor_layout_multi_axis,
+        edit_set_distribution_shares_seed,
     ],
     "keras.src.backend.torch.trainer": lambda: [
-        edit_trainer_input_distribution
+        edit_trainer_input_distribution,
+        edit_trainer_names_failed_calls,
     ],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
     "keras.src.layers.layer": lambda: [edit_layer_call_distributes_inputs],

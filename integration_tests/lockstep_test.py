@@ -1,0 +1,77 @@
+"""Collectives in lockstep, and what happens when a process leaves them.
+
+`workers/lockstep_worker.py` runs three scenarios on 2 gloo processes,
+each in its own launch (every launch of the harness runs with
+`TORCH_DISTRIBUTED_DEBUG=DETAIL`, which fails a collective that another
+rank pairs with a different one):
+
+- `hidden`: with a process group made by `dist.init_process_group` and no
+  seed, rank 0 alone reads its mesh's `backend_mesh` (as a log line
+  would) while rank 1 is late, then both all-reduce a tensor of their own.
+  Reading a property must issue no collective: the seed is shared by
+  `set_distribution`, where every rank is. (Before, the mesh conversion
+  broadcast the seed on rank 0 alone: DETAIL reported BROADCAST on rank 0
+  against ALLREDUCE on rank 1, and without DETAIL the job hung.)
+- `skip`: rank 0 alone calls `model.evaluate`, then both `model.predict`.
+- `die`: rank 1 is killed (SIGKILL) in the middle of a training step.
+
+The last two must end every rank within `KERAS_DTENSOR_TIMEOUT_SECONDS`
+(set to 20 s here) of the faulty call, with an error naming the Keras
+call on the surviving process; never a hang.
+"""
+
+import os
+import time
+
+import harness
+import pytest
+
+TIMEOUT_SECONDS = 20
+# Time for torchrun to notice the failure and end the other processes.
+SLACK_SECONDS = 15
+
+
+def launch_failing(scenario, tmp_path):
+    """Runs `scenario`, expecting failure; returns (failure text, seconds
+    from the first rank's start of the faulty part to the launch's end)."""
+    result_dir = os.path.join(str(tmp_path), "results_lockstep_worker.py_2")
+    with pytest.raises(harness.WorkerFailure) as failure:
+        harness.launch(
+            "lockstep_worker.py",
+            2,
+            tmp_path,
+            args=[scenario],
+            timeout=180,
+            env={"KERAS_DTENSOR_TIMEOUT_SECONDS": str(TIMEOUT_SECONDS)},
+        )
+    end = time.time()
+    starts = []
+    for rank in range(2):
+        with open(os.path.join(result_dir, f"rank{rank}.start")) as f:
+            starts.append(float(f.read()))
+    return str(failure.value), end - min(starts)
+
+
+def test_reading_a_mesh_on_one_rank_issues_no_collective(tmp_path):
+    reports = harness.launch(
+        "lockstep_worker.py", 2, tmp_path, args=["hidden"], timeout=180
+    )
+    for report in reports:
+        assert report["all_reduced"] == [3.0] * 4
+    # The seed shared by `set_distribution`: replicas are identical.
+    assert reports[0]["weights"] == reports[1]["weights"]
+
+
+def test_rank_skipping_a_call_ends_every_rank_in_time(tmp_path):
+    text, elapsed = launch_failing("skip", tmp_path)
+    assert "exited with 1" in text
+    assert "Raised in `evaluate` on process 0 of 2" in text
+    assert "KERAS_DTENSOR_TIMEOUT_SECONDS" in text
+    assert elapsed < TIMEOUT_SECONDS + SLACK_SECONDS
+
+
+def test_rank_dying_mid_step_ends_every_rank_in_time(tmp_path):
+    text, elapsed = launch_failing("die", tmp_path)
+    assert "Raised in `fit` on process 0 of 2" in text
+    assert "Signal 9 (SIGKILL)" in text
+    assert elapsed < TIMEOUT_SECONDS + SLACK_SECONDS
