@@ -73,6 +73,7 @@ def test_steps_run_compiled(case):
 def test_same_initial_weights(case):
     reports, ref = case
     for report in reports:
+        assert len(report["initial_weights"]) == len(ref["initial_weights"])
         for a, b in zip(report["initial_weights"], ref["initial_weights"]):
             np.testing.assert_array_equal(a, b)
 
@@ -86,6 +87,7 @@ def test_losses_match_eager_single_device(case):
 def test_final_weights_match_eager_single_device(case):
     reports, ref = case
     for report in reports:
+        assert len(report["final_weights"]) == len(ref["final_weights"])
         for a, b in zip(report["final_weights"], ref["final_weights"]):
             np.testing.assert_allclose(a, b, atol=WEIGHT_ATOL, rtol=0)
     assert reports[0]["final_weights"] == reports[1]["final_weights"]
