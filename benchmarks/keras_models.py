@@ -15,6 +15,7 @@ the same math.
 import math
 
 import numpy as np
+import workloads
 
 import keras
 from keras import ops
@@ -273,11 +274,8 @@ def make_distribution(mode, world, workload="mlp", output_layouts=True):
         mesh = keras.distribution.DeviceMesh((world,), ("batch",), devices)
         layout = FULLY_SHARDED_LAYOUT
     else:
-        batch = 1 if mode == "tp" else 2
-        if world % batch:
-            raise ValueError(f"Mode {mode!r} needs an even number of ranks.")
         mesh = keras.distribution.DeviceMesh(
-            (batch, world // batch), ("batch", "model"), devices
+            workloads.mesh_shape(mode, world), ("batch", "model"), devices
         )
         layout = dict(TENSOR_PARALLEL_LAYOUT)
         if output_layouts:

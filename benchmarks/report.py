@@ -8,6 +8,8 @@ import json
 import math
 import os
 
+from workloads import mesh_shape
+
 # Step-time targets: Keras / native for each mode.
 TIME_TARGETS = {"dp": 1.10, "tp": 1.15, "2d": 1.15}
 MEMORY_TARGET = 1.05  # per-rank bytes / sharding limit
@@ -23,8 +25,8 @@ NATIVE_TOOL = {
 MESH = {
     "single": lambda n: "1",
     "dp": lambda n: f"batch={n}",
-    "tp": lambda n: f"batch=1 x model={n}",
-    "2d": lambda n: f"batch=2 x model={n // 2}",
+    "tp": lambda n: "batch={} x model={}".format(*mesh_shape("tp", n)),
+    "2d": lambda n: "batch={} x model={}".format(*mesh_shape("2d", n)),
     "fsdp": lambda n: f"batch={n} (sharded)",
 }
 

@@ -110,7 +110,10 @@ def mesh_shape(mode, world):
     if mode == "tp":
         return (1, world)
     if mode == "2d":
-        return (2, world // 2)
+        # One process runs it on a (1, 1) mesh: size-1 axes split nothing.
+        if world > 1 and world % 2:
+            raise ValueError(f"Mode {mode!r} needs an even number of ranks.")
+        return (min(world, 2), world // min(world, 2))
     raise ValueError(f"Unknown mode {mode!r}.")
 
 
