@@ -442,9 +442,9 @@ def collective_failure_note(operation):
         return None
     return (
         f"Raised in `{operation}` on process "
-        f"{distribution_lib.process_id()} of {world_size}. Under a "
-        f"multi-process distribution every process must call `{operation}`,"
-        " in the same order: a collective fails after "
+        f"{distribution_lib.process_id()} of {world_size}. If a collective "
+        "failed: under a multi-process distribution every process must "
+        f"call `{operation}`, in the same order; a collective fails after "
         f"{distribution_lib.TIMEOUT_ENV_VAR} seconds when a process died "
         "or skipped the call (e.g. `if process_id == 0:`)."
     )

@@ -61,9 +61,9 @@ def test_trainer_error_names_the_call(data_parallel, monkeypatch):
     with pytest.raises(RuntimeError) as error:
         model.predict_on_batch(np.ones((4, 3), "float32"))
     assert error.value.__notes__ == [
-        "Raised in `predict_on_batch` on process 0 of 2. Under a "
-        "multi-process distribution every process must call "
-        "`predict_on_batch`, in the same order: a collective fails after "
+        "Raised in `predict_on_batch` on process 0 of 2. If a collective "
+        "failed: under a multi-process distribution every process must "
+        "call `predict_on_batch`, in the same order; a collective fails after "
         "KERAS_DTENSOR_TIMEOUT_SECONDS seconds when a process died or "
         "skipped the call (e.g. `if process_id == 0:`)."
     ]
