@@ -1,13 +1,17 @@
 """Metrics and logs under a distribution equal the single-process ones.
 
 `workers/metrics_worker.py` trains, evaluates and predicts with a model
-that logs every built-in metric kind: `Mean` and `Sum` (owned by a layer
+that logs many built-in metric kinds: `Mean` and `Sum` (owned by a layer
 and by the model), binary and categorical accuracies, AUC (ROC and PR),
-confusion counts (`TruePositives`, `FalseNegatives`), `Precision` and
-`Recall`. It runs in three launches: one process without a distribution
-(the reference), 2 processes (DataParallel on (2,) and ModelParallel on
-(1, 2) with sharded kernels and heads) and 4 processes (ModelParallel on
-a (2, 2) `batch` x `model` mesh).
+confusion counts (`TruePositives`, `FalseNegatives`), `Precision`,
+`Recall`, F1 and F-beta, the at-recall/precision/sensitivity/specificity
+family, and the regression, probabilistic and hinge metrics. The IoU
+family and `R2Score` fail under a distribution: their test is an xfail
+that turns into a failure once they work. It runs in three launches: one
+process without a distribution (the reference), 2 processes
+(DataParallel on (2,) and ModelParallel on (1, 2) with sharded kernels
+and heads) and 4 processes (ModelParallel on a (2, 2) `batch` x `model`
+mesh).
 
 Every logged value must be a Python float, identical on all ranks, and
 equal to the reference: counts exactly, the rest within 1e-5 relative.
@@ -120,6 +124,9 @@ def assert_logs_match(logs, expected):
 def test_same_initial_weights(case):
     reports, reference = case
     for report in reports:
+        assert len(report["initial_weights"]) == len(
+            reference["initial_weights"]
+        )
         for weight, expected in zip(
             report["initial_weights"], reference["initial_weights"]
         ):
@@ -198,6 +205,37 @@ def test_counts_match_numpy(any_run):
         history = report["history"]
         for name in ("positives", "val_positives"):
             assert history[name] == [float(positive.sum())] * EPOCHS
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="IoU metrics and R2Score fail under a distribution: a tensor "
+    "they create from a Python number (`ops.where(mask, y, 0)`, "
+    "`broadcast_to(convert_to_tensor(1), shape)`) stays a plain tensor "
+    "and meets a DTensor (README.md, known gaps)",
+)
+def test_known_gap_metrics_match_single_process(case):
+    reports, reference = case
+    assert reference["known_gaps/error"] is None
+    for report in reports:
+        assert report["known_gaps/error"] is None, report["known_gaps/error"]
+        assert_logs_match(
+            report["known_gaps/evaluate"], reference["known_gaps/evaluate"]
+        )
+
+
+def known_gap_errors(case):
+    """The errors of the known-gap metrics on every rank."""
+    reports, _ = case
+    return [report["known_gaps/error"] for report in reports]
+
+
+def test_known_gap_metrics_fail_the_same_way_on_every_rank(case):
+    """Until fixed, the failure is an error on every rank, never a hang or
+    a wrong number; a fix turns the xfail above into a failure."""
+    errors = known_gap_errors(case)
+    assert len(set(errors)) == 1
+    assert errors[0] is None or "DTensor" in errors[0]
 
 
 def test_predict_returns_the_full_global_batch(case):

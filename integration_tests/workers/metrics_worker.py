@@ -1,4 +1,4 @@
-"""Trains a model with every built-in metric kind and reports what it logs.
+"""Trains a model with many built-in metric kinds and reports their logs.
 
 Usage: metrics_worker.py MODE [MODE ...]; one launch runs every MODE in
 turn and reports its values under `<MODE>/<name>`.
@@ -7,10 +7,14 @@ turn and reports its values under `<MODE>/<name>`.
     (2, N/2) mesh).
 
 The model has two heads: `binary` (sigmoid, with accuracy, AUC, confusion
-counts, precision and recall) and `classes` (softmax, with categorical
-accuracy metrics). A layer owns a `Mean` and a `Sum` of the activations it
-sees, and the model's `compute_metrics` adds a `Sum` of the positive labels
-(an exact count) and a `Mean` of the predicted probability.
+counts, precision and recall, F1 and F-beta, the "at recall / precision /
+sensitivity / specificity" family, and every regression, probabilistic
+and hinge metric) and `classes` (softmax, with categorical accuracy
+metrics and crossentropy). A layer owns a `Mean` and a `Sum` of the
+activations it sees, and the model's `compute_metrics` adds a `Sum` of the
+positive labels (an exact count) and a `Mean` of the predicted
+probability. A second, short fit reports what the metrics that fail under
+a distribution give (`known_gap_metrics`: the IoU family, `R2Score`).
 """
 
 import sys
@@ -95,6 +99,73 @@ def make_data():
     return x, {"binary": y_binary[:, None], "classes": y_classes}
 
 
+def regression_metrics():
+    """Every built-in regression metric, for the sigmoid head."""
+    m = keras.metrics
+    return [
+        m.MeanSquaredError(name="mse"),
+        m.RootMeanSquaredError(name="rmse"),
+        m.MeanAbsoluteError(name="mae"),
+        m.MeanAbsolutePercentageError(name="mape"),
+        m.MeanSquaredLogarithmicError(name="msle"),
+        m.CosineSimilarity(name="cosine"),
+        m.LogCoshError(name="logcosh"),
+    ]
+
+
+def probabilistic_metrics():
+    """The probabilistic and hinge metrics, for the sigmoid head."""
+    m = keras.metrics
+    return [
+        m.BinaryCrossentropy(name="xent"),
+        m.KLDivergence(name="kld"),
+        m.Poisson(name="poisson"),
+        m.Hinge(name="hinge"),
+        m.SquaredHinge(name="squared_hinge"),
+    ]
+
+
+def known_gap_metrics():
+    """Metrics that fail under a distribution (README.md, known gaps):
+    the IoU family and `R2Score`, by head."""
+    m = keras.metrics
+    return {
+        "binary": [m.BinaryIoU(name="binary_iou"), m.R2Score(name="r2")],
+        "classes": [
+            m.MeanIoU(CLASSES, sparse_y_pred=False, name="mean_iou"),
+            m.IoU(CLASSES, [0, 2], sparse_y_pred=False, name="iou"),
+        ],
+    }
+
+
+def check_known_gaps(prefix):
+    """Fits and evaluates with `known_gap_metrics`; records the `evaluate`
+    results, or the error."""
+    keras.utils.set_random_seed(1337)
+    model = build_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={
+            "binary": keras.losses.BinaryCrossentropy(),
+            "classes": keras.losses.SparseCategoricalCrossentropy(),
+        },
+        metrics=known_gap_metrics(),
+    )
+    x, y = make_data()
+
+    def fit_and_evaluate():
+        model.fit(x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+        evaluation = model.evaluate(
+            x, y, batch_size=BATCH_SIZE, verbose=0, return_dict=True
+        )
+        record(
+            prefix + "known_gaps/evaluate",
+            {k: float(v) for k, v in evaluation.items()},
+        )
+
+    worker_utils.record_error(prefix + "known_gaps/error", fit_and_evaluate)
+
+
 def compile_model(model):
     """Compiles with a loss per head and every metric kind."""
     model.compile(
@@ -112,10 +183,21 @@ def compile_model(model):
                 keras.metrics.FalseNegatives(name="false_negatives"),
                 keras.metrics.Precision(name="precision"),
                 keras.metrics.Recall(name="recall"),
+                keras.metrics.F1Score("micro", threshold=0.5, name="f1"),
+                keras.metrics.FBetaScore(
+                    "micro", beta=2.0, threshold=0.5, name="f2"
+                ),
+                keras.metrics.PrecisionAtRecall(0.5, name="p_at_r"),
+                keras.metrics.RecallAtPrecision(0.5, name="r_at_p"),
+                keras.metrics.SensitivityAtSpecificity(0.5, name="s_at_s"),
+                keras.metrics.SpecificityAtSensitivity(0.5, name="sp_at_s"),
+                *regression_metrics(),
+                *probabilistic_metrics(),
             ],
             "classes": [
                 keras.metrics.SparseCategoricalAccuracy(name="accuracy"),
                 keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+                keras.metrics.SparseCategoricalCrossentropy(name="xent"),
             ],
         },
     )
@@ -194,6 +276,7 @@ def run(mode):
         {k: np.asarray(v).tolist() for k, v in predictions.items()},
     )
     record(prefix + "labels", y["binary"][:, 0])
+    check_known_gaps(prefix)
 
 
 def main():
