@@ -101,8 +101,8 @@ def edit_saving_api_load(saving_api):
     on one process alone would hang or leave processes out of step. Stands
     for: in `keras/src/saving/saving_api.py`, `load_model` and
     `load_weights` start with `distributed_saving.check_every_process_calls`
-    and `restore_interrupted_replace` (for folder saves) when a
-    distribution is set.
+    and `restore_interrupted_replace` (for folder saves, on process 0 under
+    `distributed_saving.process_zero_writes`) when a distribution is set.
     """
     if not _is_torch_backend():
         return
@@ -115,13 +115,13 @@ def edit_saving_api_load(saving_api):
         distributed_saving = _distributed_saving()
         distributed_saving.check_every_process_calls(operation, filepath)
         if distributed_saving.needs_restore(filepath):
-            distributed_saving.run_on_process_zero(
-                lambda: distributed_saving.restore_interrupted_replace(
-                    str(filepath)
-                ),
-                operation,
-                filepath,
-            )
+            with distributed_saving.process_zero_writes(
+                operation, filepath
+            ) as call:
+                if call.is_writer:
+                    distributed_saving.restore_interrupted_replace(
+                        str(filepath)
+                    )
 
     @functools.wraps(upstream_load_model)
     def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
@@ -164,6 +164,72 @@ def edit_file_utils_makedirs(file_utils):
     file_utils.makedirs = makedirs
 
 
+def _keep_previous_backup(callback):
+    """Creates a `BackupAndRestore` folder and its `double_checkpoint` copies.
+
+    Runs on process 0 only.
+    """
+    from keras.src.utils import file_utils
+
+    os.makedirs(callback.backup_dir, exist_ok=True)
+    if not callback.double_checkpoint:
+        return
+    saving = _distributed_saving()
+    for current, previous in (
+        (callback._weights_path, callback._prev_weights_path),
+        (
+            callback._training_metadata_path,
+            callback._prev_training_metadata_path,
+        ),
+    ):
+        if file_utils.exists(current):
+            saving.copy_file(current, previous)
+
+
+def _restore_previous_backup(callback):
+    """Puts a `BackupAndRestore`'s previous backup back; on process 0 only."""
+    from keras.src.utils import file_utils
+
+    saving = _distributed_saving()
+    saving.copy_file(callback._prev_weights_path, callback._weights_path)
+    if file_utils.exists(callback._prev_training_metadata_path):
+        saving.copy_file(
+            callback._prev_training_metadata_path,
+            callback._training_metadata_path,
+        )
+    elif file_utils.exists(callback._training_metadata_path):
+        file_utils.remove(callback._training_metadata_path)
+
+
+def _load_or_restore_previous_backup(callback):
+    """Loads a `BackupAndRestore` backup, else the previous one.
+
+    As upstream's `on_train_begin`; the previous backup is put back on
+    process 0 only, and every process then loads it.
+    """
+    from keras.src.utils import file_utils
+
+    try:
+        callback._load_model()
+    except OSError:
+        if not file_utils.exists(callback._prev_weights_path):
+            raise
+        with _distributed_saving().process_zero_writes(
+            "BackupAndRestore.restore", callback.backup_dir
+        ) as call:
+            if call.is_writer:
+                _restore_previous_backup(callback)
+        callback._load_model()
+
+
+def _delete_backup(callback):
+    """Deletes a `BackupAndRestore` folder; on process 0 only."""
+    from keras.src.utils import file_utils
+
+    if file_utils.exists(callback.backup_dir):
+        file_utils.rmtree(callback.backup_dir)
+
+
 def edit_backup_and_restore(module):
     """`BackupAndRestore` changes its files from process 0 only, atomically.
 
@@ -171,68 +237,30 @@ def edit_backup_and_restore(module):
     distribution, the metadata is written with
     `distributed_saving.save_from_process_zero`, and the folder creation,
     the copies of `double_checkpoint` and the deletion at the end of
-    training run through `distributed_saving.run_on_process_zero`.
+    training run on process 0 under `distributed_saving.process_zero_writes`
+    (every process enters, process 0 writes, all learn the outcome).
     """
     if not _is_torch_backend():
         return
-    from keras.src.utils import file_utils
-
     backup_and_restore = module.BackupAndRestore
     upstream_on_train_begin = backup_and_restore.on_train_begin
     upstream_save_model = backup_and_restore._save_model
     upstream_on_train_end = backup_and_restore.on_train_end
 
-    def keep_previous_backup(self):
-        os.makedirs(self.backup_dir, exist_ok=True)
-        if not self.double_checkpoint:
-            return
-        saving = _distributed_saving()
-        for current, previous in (
-            (self._weights_path, self._prev_weights_path),
-            (self._training_metadata_path, self._prev_training_metadata_path),
-        ):
-            if file_utils.exists(current):
-                saving.copy_file(current, previous)
-
-    def restore_previous_backup(self):
-        saving = _distributed_saving()
-        saving.copy_file(self._prev_weights_path, self._weights_path)
-        if file_utils.exists(self._prev_training_metadata_path):
-            saving.copy_file(
-                self._prev_training_metadata_path,
-                self._training_metadata_path,
-            )
-        elif file_utils.exists(self._training_metadata_path):
-            file_utils.remove(self._training_metadata_path)
-
-    def delete_backup(self):
-        if file_utils.exists(self.backup_dir):
-            file_utils.rmtree(self.backup_dir)
-
     def on_train_begin(self, logs=None):
         if not _distribution_is_set():
             return upstream_on_train_begin(self, logs)
-        try:
-            self._load_model()
-        except OSError:
-            if not file_utils.exists(self._prev_weights_path):
-                raise
-            _distributed_saving().run_on_process_zero(
-                lambda: restore_previous_backup(self),
-                "BackupAndRestore.restore",
-                self.backup_dir,
-            )
-            self._load_model()
+        _load_or_restore_previous_backup(self)
 
     def _save_model(self):
         if not _distribution_is_set():
             return upstream_save_model(self)
         saving = _distributed_saving()
-        saving.run_on_process_zero(
-            lambda: keep_previous_backup(self),
-            "BackupAndRestore.prepare",
-            self.backup_dir,
-        )
+        with saving.process_zero_writes(
+            "BackupAndRestore.prepare", self.backup_dir
+        ) as call:
+            if call.is_writer:
+                _keep_previous_backup(self)
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         metadata = json.dumps(
             {"epoch": self._current_epoch, "batch": self._last_batch_seen}
@@ -246,12 +274,13 @@ def edit_backup_and_restore(module):
     def on_train_end(self, logs=None):
         if not _distribution_is_set():
             return upstream_on_train_end(self, logs)
-        if self.delete_checkpoint:
-            _distributed_saving().run_on_process_zero(
-                lambda: delete_backup(self),
-                "BackupAndRestore.delete",
-                self.backup_dir,
-            )
+        if not self.delete_checkpoint:
+            return
+        with _distributed_saving().process_zero_writes(
+            "BackupAndRestore.delete", self.backup_dir
+        ) as call:
+            if call.is_writer:
+                _delete_backup(self)
 
     backup_and_restore.on_train_begin = on_train_begin
     backup_and_restore._save_model = _save_model

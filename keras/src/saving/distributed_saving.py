@@ -24,6 +24,9 @@ _PREVIOUS_TAG = "previous"
 def save_from_process_zero(save_fn, filepath, operation, overwrite=True):
     """Runs a save on every process; only process 0's output is kept.
 
+    The save is coordinated by `process_zero_writes`: a process that saves
+    alone gets an error, and process 0's failure reaches every process.
+
     Args:
         save_fn: function taking the path (or file object) to write to. It
             must write exactly what it would write at `filepath`.
@@ -35,59 +38,37 @@ def save_from_process_zero(save_fn, filepath, operation, overwrite=True):
     Returns:
         What `save_fn` returned.
     """
-    sync = _process_sync()
-    call = None
-    if sync.is_multi_process():
-        call = sync.enter(operation, _describe(filepath))
-    token = call.token if call is not None else uuid.uuid4().hex
-    is_writer = sync.process_id() == 0
-    work_dir = None
-    try:
-        if isinstance(filepath, io.IOBase):
-            target = filepath if is_writer else io.BytesIO()
-        else:
+    with process_zero_writes(operation, filepath) as call:
+        if not isinstance(filepath, io.IOBase):
             filepath = str(filepath)
             if not _may_write(filepath, overwrite, call):
                 return None
-            name = _basename(filepath)
-            if not is_writer:
-                work_dir = tempfile.mkdtemp(prefix="keras_discarded_save_")
-                target = os.path.join(work_dir, name)
-            elif is_local_path(filepath):
-                work_dir = make_staging_dir(filepath, token)
-                target = os.path.join(work_dir, name)
-            else:
-                target = filepath
-        result = save_fn(target)
-        if is_writer and work_dir is not None:
-            publish_staging_dir(work_dir, filepath, token)
-    except BaseException as error:
-        if call is not None and is_writer:
-            sync.share_outcome(call, error)
-        raise
-    finally:
-        if work_dir is not None:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    if call is not None:
-        if is_writer:
-            sync.share_outcome(call)
-        else:
-            sync.wait_for_outcome(call)
+        target, work_dir = _save_target(filepath, call)
+        try:
+            result = save_fn(target)
+            if call.is_writer and work_dir is not None:
+                publish_staging_dir(work_dir, filepath, call.token)
+        finally:
+            if work_dir is not None:
+                shutil.rmtree(work_dir, ignore_errors=True)
     return result
 
 
-def run_on_process_zero(fn, operation, target=None):
-    """Runs `fn` on process 0 only; every process returns once it is done.
+def process_zero_writes(operation, target=None):
+    """Every process enters, process 0 writes, all learn the outcome.
+
+    The coordination of the torch backend's `process_sync`; see
+    `keras.src.backend.torch.process_sync.process_zero_writes` for the
+    protocol and its timeouts.
 
     Args:
-        fn: a function without arguments, e.g. one that deletes a folder.
-        operation: name of the call, for coordination and messages.
-        target: the file or folder `fn` works on, for messages.
+        operation: name of the call, e.g. `"save_model"`.
+        target: the file, folder or file object of the call, for messages.
 
     Returns:
-        What `fn` returned on process 0; `None` on other processes.
+        A context manager giving a call with `is_writer` and `token`.
     """
-    return _process_sync().run_on_process_zero(fn, operation, target)
+    return _process_sync().process_zero_writes(operation, _describe(target))
 
 
 def check_every_process_calls(operation, target=None):
@@ -244,11 +225,34 @@ def copy_file(source, destination):
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _save_target(filepath, call):
+    """Where this process's save writes, and the folder to delete after.
+
+    Process 0 writes a local file in a staging folder beside it (published
+    with renames), and a remote path or a file object directly. The other
+    processes write into a temporary folder of their own, or a buffer.
+
+    Returns:
+        `(target, work_dir)`: the path or file object to pass to the save,
+        and the folder to delete afterwards (or `None`).
+    """
+    if isinstance(filepath, io.IOBase):
+        return (filepath if call.is_writer else io.BytesIO()), None
+    name = _basename(filepath)
+    if not call.is_writer:
+        work_dir = tempfile.mkdtemp(prefix="keras_discarded_save_")
+    elif is_local_path(filepath):
+        work_dir = make_staging_dir(filepath, call.token)
+    else:
+        return filepath, None
+    return os.path.join(work_dir, name), work_dir
+
+
 def _may_write(filepath, overwrite, call):
     """Whether to write `filepath`, asking as upstream does when alone."""
     if overwrite or not file_utils.exists(filepath):
         return True
-    if call is None:
+    if not call.is_coordinated:
         from keras.src.utils import io_utils
 
         return io_utils.ask_to_proceed_with_overwrite(filepath)

@@ -173,6 +173,8 @@ def test_copy_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["destination", "source"]
 
 
-def test_run_on_process_zero_and_check_in_a_single_process():
-    assert distributed_saving.run_on_process_zero(lambda: 3, "op") == 3
+def test_process_zero_writes_and_check_in_a_single_process():
+    with distributed_saving.process_zero_writes("op", io.BytesIO()) as call:
+        assert call.is_writer
+        assert call.target is None
     distributed_saving.check_every_process_calls("load_model", "path")

@@ -19,7 +19,6 @@ keyed by name, e.g. `optimizer/iteration`.
 """
 
 import os
-import uuid
 import warnings
 
 import torch.distributed as dist
@@ -75,33 +74,18 @@ def save_checkpoint(model, directory, include_optimizer=True):
     variables = checkpoint_variables(model, include_optimizer)
     state = {key: _tensor(variable) for key, variable in variables.items()}
     directory = os.fspath(directory)
-    multi_process = process_sync.is_multi_process()
-    call = None
-    if multi_process:
-        call = process_sync.enter("save_checkpoint", directory)
-    token = call.token if call is not None else uuid.uuid4().hex
-    is_writer = process_sync.process_id() == 0
-    staging_dir = distributed_saving.make_staging_dir(directory, token)
-    try:
+    with process_sync.process_zero_writes("save_checkpoint", directory) as call:
+        staging_dir = distributed_saving.make_staging_dir(directory, call.token)
         _run_quietly(
             dcp.save,
             state,
             storage_writer=dcp.FileSystemWriter(staging_dir),
             no_dist=not dist.is_initialized(),
         )
-        if is_writer:
+        if call.is_writer:
             distributed_saving.restore_interrupted_replace(directory)
-            distributed_saving.replace(staging_dir, directory, token)
+            distributed_saving.replace(staging_dir, directory, call.token)
             distributed_saving.remove_leftovers(directory)
-    except BaseException as error:
-        if call is not None and is_writer:
-            process_sync.share_outcome(call, error)
-        raise
-    if call is not None:
-        if is_writer:
-            process_sync.share_outcome(call)
-        else:
-            process_sync.wait_for_outcome(call)
 
 
 def load_checkpoint(model, directory, include_optimizer=True):
@@ -123,14 +107,13 @@ def load_checkpoint(model, directory, include_optimizer=True):
             it with another shape.
     """
     directory = os.fspath(directory)
-    if process_sync.is_multi_process():
-        process_sync.enter("load_checkpoint", directory)
+    distributed_saving.check_every_process_calls("load_checkpoint", directory)
     if distributed_saving.needs_restore(directory):
-        process_sync.run_on_process_zero(
-            lambda: distributed_saving.restore_interrupted_replace(directory),
-            "load_checkpoint.restore",
-            directory,
-        )
+        with process_sync.process_zero_writes(
+            "load_checkpoint.restore", directory
+        ) as call:
+            if call.is_writer:
+                distributed_saving.restore_interrupted_replace(directory)
     optimizer = getattr(model, "optimizer", None)
     if include_optimizer and optimizer is not None and not optimizer.built:
         optimizer.build(model.trainable_variables)

@@ -6,8 +6,14 @@ calls them, in the same order. The helpers here check that through the
 other processes how the part of the work that only it does (writing a
 file) ended. They issue no collectives: a process that calls a save alone
 gets a clear error instead of a hang, and the process group stays usable.
+
+Two entry points: `enter`, for a call that every process must make (a
+load), and `process_zero_writes`, the context manager for a call in which
+every process takes part and process 0 alone writes (a save, a checkpoint,
+a callback's files).
 """
 
+import contextlib
 import datetime
 import os
 import uuid
@@ -30,17 +36,25 @@ class CollectiveCall:
     """A save or load that every process has entered (see `enter`).
 
     Attributes:
-        key: the store key prefix of the call.
+        key: the store key prefix of the call (`None` without several
+            processes).
         operation: the name of the call, e.g. `"save_model"`.
         target: the file or folder it works on, for messages.
         token: a random string chosen by process 0, equal on every process.
+        is_writer: whether this process writes (process 0).
     """
 
-    def __init__(self, key, operation, target, token):
+    def __init__(self, key, operation, target, token, is_writer):
         self.key = key
         self.operation = operation
         self.target = target
         self.token = token
+        self.is_writer = is_writer
+
+    @property
+    def is_coordinated(self):
+        """Whether other processes take part (several processes)."""
+        return self.key is not None
 
     def describe(self):
         if self.target is None:
@@ -100,7 +114,7 @@ def enter(operation, target=None):
     index = _CALLS["count"]
     key = _call_key(index)
     token = uuid.uuid4().hex if rank == 0 else ""
-    call = CollectiveCall(key, operation, target, token)
+    call = CollectiveCall(key, operation, target, token, rank == 0)
     store.set(f"{key}/entered/{rank}", f"{operation}|{token}")
     # Counting per operation: processes in different calls never complete.
     count_key = f"{key}/count/{operation}"
@@ -125,7 +139,69 @@ def enter(operation, target=None):
     return call
 
 
-def share_outcome(call, error=None):
+@contextlib.contextmanager
+def process_zero_writes(operation, target=None):
+    """Every process enters, process 0 writes, all learn the outcome.
+
+    The protocol of every save, checkpoint and callback write:
+
+    1. Every process enters `operation` (`enter`), through the
+       `torch.distributed` store: it waits at most `sync_timeout()`
+       (`KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS`, default 60 seconds, capped by
+       the process group timeout). If a process does not enter, or enters
+       another operation, every process that entered raises.
+    2. Every process runs the `with` body: the part all must do (gathering
+       sharded values), and the writing only where `call.is_writer`.
+    3. Process 0 stores how its body ended, success or its exception's
+       type and message, then re-raises any exception. The others wait for
+       that at most the process group timeout
+       (`KERAS_DTENSOR_TIMEOUT_SECONDS`) and raise if process 0 failed or
+       did not finish; one whose own body raised re-raises without waiting.
+
+    Only the store is used, no collectives: a process that saves alone gets
+    an error instead of a hang, and the process group stays usable. With a
+    single process nothing is communicated; the body runs as the writer.
+
+    ```python
+    with process_sync.process_zero_writes("save_model", path) as call:
+        data = gather_values()  # every process
+        if call.is_writer:
+            write(path, data)  # process 0 only
+    ```
+
+    Args:
+        operation: the name of the call, e.g. `"save_model"`; every process
+            enters the same operations in the same order.
+        target: the file or folder of the call, named in error messages.
+
+    Returns:
+        A context manager giving a `CollectiveCall`: `is_writer`, and
+        `token`, a random string equal on every process.
+
+    Raises:
+        RuntimeError: on entering, if a process did not enter within
+            `sync_timeout()`; on leaving, on processes other than 0, if
+            process 0's body raised or did not finish in time.
+    """
+    if not is_multi_process():
+        yield CollectiveCall(
+            None, operation, target, uuid.uuid4().hex, process_id() == 0
+        )
+        return
+    call = enter(operation, target)
+    try:
+        yield call
+    except BaseException as error:
+        if call.is_writer:
+            _share_outcome(call, error)
+        raise
+    if call.is_writer:
+        _share_outcome(call)
+    else:
+        _wait_for_outcome(call)
+
+
+def _share_outcome(call, error=None):
     """Tells the other processes how process 0's part of `call` ended.
 
     Args:
@@ -136,7 +212,7 @@ def share_outcome(call, error=None):
     _store().set(f"{call.key}/outcome", f"|{message}")
 
 
-def wait_for_outcome(call):
+def _wait_for_outcome(call):
     """Waits for process 0's part of `call`; raises if it failed.
 
     Args:
@@ -158,34 +234,6 @@ def wait_for_outcome(call):
     message = store.get(f"{call.key}/outcome").decode()[1:]
     if message:
         raise RuntimeError(f"Process 0 failed in {call.describe()}: {message}")
-
-
-def run_on_process_zero(fn, operation, target=None):
-    """Runs `fn` on process 0 only; every process returns once it is done.
-
-    Without several processes, this just calls `fn`.
-
-    Args:
-        fn: a function without arguments, e.g. one that writes a file.
-        operation: the name of the call (see `enter`).
-        target: the file or folder `fn` works on, for messages.
-
-    Returns:
-        What `fn` returned on process 0; `None` on other processes.
-    """
-    if not is_multi_process():
-        return fn()
-    call = enter(operation, target)
-    if process_id() != 0:
-        wait_for_outcome(call)
-        return None
-    try:
-        result = fn()
-    except BaseException as error:
-        share_outcome(call, error)
-        raise
-    share_outcome(call)
-    return result
 
 
 def _store():

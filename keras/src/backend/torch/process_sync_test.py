@@ -1,12 +1,16 @@
 """Tests of `process_sync` in one process, playing one rank of two.
 
-The other rank's part is written into the store by the test. Multi-process
-behaviour is tested in `integration_tests/checkpoint_test.py`.
+The other rank's part is written into the store by the test, or played
+before on the same store (`play_call_as_rank`). Multi-process behaviour is
+tested in `integration_tests/checkpoint_test.py`.
 """
+
+import time
 
 import pytest
 import torch.distributed as dist
 
+from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import process_sync
 
 
@@ -35,6 +39,7 @@ def store(monkeypatch):
     )
     monkeypatch.setenv(process_sync.SYNC_TIMEOUT_ENV_VAR, "0.2")
     monkeypatch.setattr(process_sync.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(process_sync, "is_multi_process", lambda: True)
     return store
 
 
@@ -98,15 +103,94 @@ def test_last_arrival_during_the_timeout_completes_the_call(store, monkeypatch):
     assert call.operation == "save_model"
 
 
-def test_outcome_of_process_zero(store, monkeypatch):
-    play_rank(monkeypatch, 0)
+def play_call_as_rank(monkeypatch, rank, body, operation="save_model"):
+    """Plays `rank` in call 0 of `process_zero_writes`, running `body`.
+
+    Both ranks play call 0 in turn on one store, as two processes would.
+
+    Returns:
+        Whether this rank was the writer.
+    """
+    play_rank(monkeypatch, rank)
+    monkeypatch.setattr(
+        process_sync, "_CALLS", {"count": 0, "previous_operation": None}
+    )
+    with process_sync.process_zero_writes(operation, "m.keras") as call:
+        body(call)
+    return call.is_writer
+
+
+def fail_writing(call):
+    if call.is_writer:
+        raise OSError("disk full")
+
+
+def test_the_writers_error_reaches_every_process(store, monkeypatch):
     enter_as_other_rank(store, 1, "save_model")
-    call = process_sync.enter("save_model", "m.keras")
-    process_sync.share_outcome(call)
-    process_sync.wait_for_outcome(call)
-    process_sync.share_outcome(call, OSError("disk full"))
-    with pytest.raises(RuntimeError, match="OSError: disk full"):
-        process_sync.wait_for_outcome(call)
+    # Process 0 re-raises its own error ...
+    with pytest.raises(OSError, match="disk full"):
+        play_call_as_rank(monkeypatch, 0, fail_writing)
+    # ... and the other process learns it when it leaves the call.
+    with pytest.raises(RuntimeError) as error:
+        play_call_as_rank(monkeypatch, 1, fail_writing)
+    assert str(error.value) == (
+        "Process 0 failed in `save_model` of 'm.keras': OSError: disk full"
+    )
+
+
+def test_every_process_returns_once_the_writer_succeeded(store, monkeypatch):
+    enter_as_other_rank(store, 1, "save_model")
+    tokens = []
+    assert play_call_as_rank(monkeypatch, 0, lambda c: tokens.append(c.token))
+    assert not play_call_as_rank(
+        monkeypatch, 1, lambda c: tokens.append(c.token)
+    )
+    # One token, chosen by process 0, on every process.
+    assert len(tokens[0]) == 32 and tokens[0] == tokens[1]
+
+
+def test_a_process_that_does_not_enter_fails_the_others(store, monkeypatch):
+    # Process 1 never enters: process 0 fails within the sync timeout, with
+    # the message of `enter`, before running the body.
+    bodies = []
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        play_call_as_rank(monkeypatch, 0, bodies.append)
+    elapsed = time.monotonic() - start
+    assert 0.2 <= elapsed < 5
+    assert not bodies
+    message = str(error.value)
+    assert message.startswith(
+        "`save_model` of 'm.keras' was called on process 0, but process(es) "
+        "[1] did not call it within 0.2 seconds. Under a multi-process "
+        "distribution, call saving and loading functions on every process"
+    )
+    assert process_sync.SYNC_TIMEOUT_ENV_VAR in message
+    assert not store.check([f"{process_sync._call_key(0)}/outcome"])
+
+
+def test_a_writer_that_does_not_finish_fails_the_others(store, monkeypatch):
+    monkeypatch.setenv(distribution_lib.TIMEOUT_ENV_VAR, "0.3")
+    enter_as_other_rank(store, 0, "save_model")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        play_call_as_rank(monkeypatch, 1, lambda call: None)
+    assert 0.3 <= time.monotonic() - start < 5
+    assert str(error.value) == (
+        "Process 0 did not finish `save_model` of 'm.keras' within 0.3 seconds."
+    )
+
+
+def test_a_non_writers_own_error_does_not_wait(store, monkeypatch):
+    enter_as_other_rank(store, 0, "save_model")
+
+    def fail(call):
+        raise ValueError("gather failed")
+
+    with pytest.raises(ValueError, match="gather failed"):
+        play_call_as_rank(monkeypatch, 1, fail)
+    # Process 0's outcome was never stored: process 1 did not wait for it.
+    assert not store.check([f"{process_sync._call_key(0)}/outcome"])
 
 
 def test_keys_of_finished_calls_are_deleted(store, monkeypatch):
@@ -121,7 +205,14 @@ def test_keys_of_finished_calls_are_deleted(store, monkeypatch):
 
 
 def test_single_process_needs_no_coordination():
-    assert process_sync.run_on_process_zero(lambda: 5, "op") == 5
-    if not dist.is_initialized():
-        assert not process_sync.is_multi_process()
-        assert process_sync.process_id() == 0
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized")
+    assert not process_sync.is_multi_process()
+    assert process_sync.process_id() == 0
+    with process_sync.process_zero_writes("op") as call:
+        assert call.is_writer
+        assert not call.is_coordinated
+        assert len(call.token) == 32
+    with pytest.raises(OSError, match="disk full"):
+        with process_sync.process_zero_writes("op"):
+            raise OSError("disk full")
