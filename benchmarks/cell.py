@@ -2,8 +2,11 @@
 
 A cell builds the Keras model under the mode's `keras.distribution`, its
 native PyTorch twin with the same initial weights and PyTorch's own
-parallelism, checks that both compute the same first loss, then measures
-collectives per step, per-rank memory, and interleaved step times.
+parallelism, checks that both compute the same global losses over several
+training steps (so that the gradients and the optimizer agree too), then
+measures collectives per step, per-rank memory, and interleaved step
+times. Both steps return the global loss, all-reduced over the
+data-parallel processes.
 """
 
 import contextlib
@@ -24,6 +27,12 @@ BATCH_SHARDED = ("dp", "2d", "fsdp")
 
 # Optimizer state tensors per parameter.
 SLOTS = {"sgd": 1, "adamw": 2}
+
+# The twin check: training steps compared, and the largest relative
+# difference of their global losses for the two sides to count as the same
+# model trained the same way.
+TWIN_STEPS = 3
+TWIN_RTOL = 1e-4
 
 
 def device():
@@ -51,13 +60,42 @@ def batch_slice(mode, mesh, tensor):
     return tensor.chunk(parts, dim=0)[index]
 
 
-def batch_mean(value, mode):
-    """Mean of a per-process loss over the data-parallel processes."""
+def loss_group(mode, mesh):
+    """The process group whose losses make up the global batch's, or None.
+
+    Under data parallelism each process computes the loss of its slice;
+    the global loss, which Keras logs, is their mean over this group.
+    """
     if mode not in BATCH_SHARDED or not dist.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
+        return None
+    if dist.get_world_size() == 1:
+        return None
+    if mode == "2d":
+        return mesh["batch"].get_group()
+    return dist.group.WORLD
+
+
+def twin_check(keras_step, native_step, steps):
+    """Trains both sides `steps` steps; compares their global losses.
+
+    Returns:
+        A dict with both loss lists, the largest relative difference
+        `max_rel_diff` and `ok` (whether it is within `TWIN_RTOL`).
+    """
+    keras_losses = [keras_step() for _ in range(steps)]
+    native_losses = [native_step() for _ in range(steps)]
+    difference = max(
+        abs(k - n) / max(abs(n), 1e-12)
+        for k, n in zip(keras_losses, native_losses)
+    )
+    return {
+        "steps": steps,
+        "keras": keras_losses,
+        "native": native_losses,
+        "max_rel_diff": difference,
+        "rtol": TWIN_RTOL,
+        "ok": bool(difference <= TWIN_RTOL),
+    }
 
 
 class KerasRunner:
@@ -82,14 +120,21 @@ class KerasRunner:
         with self.scope():
             return float(self.model.train_on_batch(self.x, self.y))
 
-    def memory(self, slots):
+    def full_sizes(self):
+        """`{path: bytes}` of every trainable variable's full value."""
+        return {
+            v.path: math.prod(v.shape) * v.value.element_size()
+            for v in self.model.trainable_variables
+        }
+
+    def memory(self, limit):
         """Per-rank bytes of parameters, gradients and optimizer state."""
         parameters = [v.value for v in self.model.trainable_variables]
         return measure.memory_report(
             parameters,
             [p.grad for p in parameters],
             [v.value for v in self.model.optimizer.variables],
-            slots,
+            limit,
         )
 
 
@@ -105,17 +150,24 @@ class NativeRunner:
         )
         self.x = batch_slice(mode, mesh, x)
         self.y = batch_slice(mode, mesh, y)
+        self.loss_group = loss_group(mode, mesh)
 
     def step(self):
-        """One training step; returns this process's loss."""
+        """One training step; returns the global loss, as Keras does."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch_models.loss_fn(self.model(self.x), self.y)
         loss.backward()
         self.optimizer.step()
+        loss = loss.detach()
+        if self.loss_group is not None:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.loss_group)
+            loss = loss / dist.get_world_size(self.loss_group)
         return loss.item()
 
-    def memory(self, slots):
-        """Per-rank bytes of parameters, gradients and optimizer state."""
+    def memory(self, limit):
+        """Per-rank bytes of parameters, gradients, optimizer state and
+        DDP's gradient buckets."""
         parameters = [
             p for group in self.optimizer.param_groups for p in group["params"]
         ]
@@ -123,7 +175,8 @@ class NativeRunner:
             parameters,
             [p.grad for p in parameters],
             torch_models.optimizer_state(self.optimizer),
-            slots,
+            limit,
+            buffers=torch_models.ddp_bucket_bytes(self.model),
         )
 
 
@@ -170,8 +223,10 @@ def new_cell(workload, mode):
 def prepare(cell, config, options):
     """Everything but the timing: build, check, count, measure memory.
 
-    Fills `cell` with the first losses of both models, the collectives of
-    one step and the per-rank memory, after `options["warmup"]` steps.
+    Fills `cell` with the twin check (the global losses of both models
+    over `options["twin_steps"]` steps, default `TWIN_STEPS`), the
+    collectives of one step and the per-rank memory against the mode's
+    limit, after `options["warmup"]` more steps.
 
     Returns:
         A dict mapping `keras`, `native` (and `keras_jit` with
@@ -190,12 +245,17 @@ def prepare(cell, config, options):
     native = NativeRunner(
         workload, config, mode, _mesh(distribution), keras_runner.model, x, y
     )
-    keras_loss = keras_runner.step()
-    native_loss = batch_mean(native.step(), mode)
-    cell["first_loss"] = {"keras": keras_loss, "native": native_loss}
-    cell["loss_rel_diff"] = abs(keras_loss - native_loss) / max(
-        abs(native_loss), 1e-12
+    twin = twin_check(
+        keras_runner.step,
+        native.step,
+        options.get("twin_steps", TWIN_STEPS),
     )
+    cell["twin"] = twin
+    cell["first_loss"] = {
+        "keras": twin["keras"][0],
+        "native": twin["native"][0],
+    }
+    cell["loss_rel_diff"] = twin["max_rel_diff"]
     _warm_up(keras_runner, options["warmup"])
     _warm_up(native, options["warmup"])
 
@@ -213,9 +273,12 @@ def prepare(cell, config, options):
     cell["collectives"]["minimum"] = workloads.minimum_collectives(
         workload, config, mode, grad_bytes, world
     )
+    limit = workloads.memory_limit_bytes(
+        mode, world, keras_runner.full_sizes(), slots
+    )
     cell["memory"] = {
-        "keras": keras_runner.memory(slots),
-        "native": native.memory(slots),
+        "keras": keras_runner.memory(limit),
+        "native": native.memory(limit),
     }
 
     steps = {"keras": keras_runner.step, "native": native.step}

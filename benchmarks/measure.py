@@ -187,37 +187,38 @@ def layout_limit_bytes(parameters):
     return int(total)
 
 
-def memory_report(parameters, gradients, optimizer_state, slots):
+def memory_report(parameters, gradients, optimizer_state, limit, buffers=0):
     """Per-rank bytes of parameters, gradients and optimizer state.
 
     Args:
         parameters: the trainable parameters (tensors or DTensors).
         gradients: their gradients after a training step.
         optimizer_state: the optimizer's state tensors.
-        slots: optimizer state tensors per parameter (1 for SGD with
-            momentum, 2 for AdamW).
+        limit: the per-rank bytes the mode's layout needs at least
+            (`workloads.memory_limit_bytes`).
+        buffers: bytes of other buffers that training keeps, such as DDP's
+            gradient buckets.
 
     Returns:
-        A dict with measured `params`, `grads`, `optimizer`, `total` bytes,
-        the `limit` for that layout, and `ratio` = total / limit. Values
-        are the maximum over processes.
+        A dict with measured `params`, `grads`, `optimizer`, `buffers` and
+        `total` bytes, the `limit`, and `ratio` = total / limit. Values are
+        the maximum over processes.
     """
-    parameters = list(parameters)
-    limit = layout_limit_bytes(parameters)
     measured = [
-        storage_bytes(parameters),
+        storage_bytes(list(parameters)),
         storage_bytes(gradients),
         storage_bytes(optimizer_state),
-        limit * (2 + slots),
+        buffers,
     ]
     measured = slowest_rank(measured)
-    params, grads, optimizer, limit = (int(v) for v in measured)
-    total = params + grads + optimizer
+    params, grads, optimizer, buffers = (int(v) for v in measured)
+    total = params + grads + optimizer + buffers
     return {
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
+        "buffers": buffers,
         "total": total,
-        "limit": limit,
+        "limit": int(limit),
         "ratio": total / limit if limit else math.nan,
     }

@@ -47,6 +47,32 @@ def _error_cell(text):
     return "error: " + text.replace("|", "/").replace("\n", " ")
 
 
+def twin_text(cell):
+    """The twin check of a cell: steps compared and the largest relative
+    difference of the global losses; a diverging twin is marked."""
+    twin = cell.get("twin")
+    if not twin:
+        return "not run"
+    text = f"{twin['steps']} steps, {twin['max_rel_diff']:.1e}"
+    return text if twin["ok"] else f"**diverged** ({text})"
+
+
+def _workload(cell):
+    """The workload's name, marked when the cell's twin check failed."""
+    twin = cell.get("twin")
+    if twin and not twin["ok"]:
+        return f"{cell['workload']} (**twin diverged**)"
+    return cell["workload"]
+
+
+def _twin_rtol(cells):
+    """The twin check's tolerance, as the cells recorded it."""
+    for cell in cells:
+        if cell.get("twin"):
+            return f"{cell['twin']['rtol']:.0e}"
+    return "—"
+
+
 def single_ratios(cells):
     """Keras/native of each workload's single-process cell."""
     return {
@@ -64,10 +90,10 @@ def time_row(cell, single=None):
         single: dict mapping a workload to its single-process Keras/native
             ratio, to show the distributed ratio relative to it.
     """
-    head = [cell["workload"], cell["mode"], MESH[cell["mode"]](cell["world"])]
+    head = [_workload(cell), cell["mode"], MESH[cell["mode"]](cell["world"])]
     tool = NATIVE_TOOL[cell["mode"]]
     if "error" in cell:
-        return head + [tool, _error_cell(cell["error"])] + [""] * 7
+        return head + [tool, _error_cell(cell["error"])] + [""] * 8
     ms = cell["step_ms"]
     base = (single or {}).get(cell["workload"])
     relative = f"{cell['ratio'] / base:.2f}" if base else "—"
@@ -82,6 +108,7 @@ def time_row(cell, single=None):
         jit = "not run"
     return head + [
         tool,
+        twin_text(cell),
         _ms(ms["keras"]),
         _ms(ms["native"]),
         f"{cell['ratio']:.2f}",
@@ -95,7 +122,7 @@ def time_row(cell, single=None):
 
 def collective_row(cell):
     """One row of the collectives table."""
-    head = [cell["workload"], cell["mode"]]
+    head = [_workload(cell), cell["mode"]]
     if "error" in cell:
         return head + [_error_cell(cell["error"])] + [""] * 4
     counts = cell["collectives"]
@@ -117,9 +144,9 @@ def collective_row(cell):
 
 def memory_row(cell):
     """One row of the memory table."""
-    head = [cell["workload"], cell["mode"]]
+    head = [_workload(cell), cell["mode"]]
     if "error" in cell:
-        return head + [_error_cell(cell["error"])] + [""] * 5
+        return head + [_error_cell(cell["error"])] + [""] * 7
     keras, native = cell["memory"]["keras"], cell["memory"]["native"]
     return head + [
         f"{_kib(keras['params'])} / {_kib(keras['grads'])} / "
@@ -128,7 +155,8 @@ def memory_row(cell):
         _kib(keras["limit"]),
         f"{keras['ratio']:.3f}",
         _verdict(keras["ratio"] <= MEMORY_TARGET),
-        _kib(native["total"]),
+        f"{_kib(native['total'])} (buckets {_kib(native['buffers'])})",
+        f"{native['ratio']:.3f}",
     ]
 
 
@@ -195,7 +223,17 @@ def _header(results):
 def markdown(results):
     """The report of one run as markdown."""
     cells = results["cells"]
-    parts = [_header(results), "", "**Step time** (ms per training step)", ""]
+    parts = [
+        _header(results),
+        "",
+        "**Step time** (ms per training step). Twin check: from the same "
+        "initial weights, on the same global batch, Keras and its native "
+        "twin train a few steps and their global losses (all-reduced over "
+        "the data-parallel processes on both sides) must agree within "
+        f"{_twin_rtol(cells)} relative; a cell where they do not is marked "
+        "**twin diverged** in every table.",
+        "",
+    ]
     parts.append(
         _table(
             [
@@ -203,6 +241,7 @@ def markdown(results):
                 "mode",
                 "mesh",
                 "native",
+                "twin check (global losses, max relative difference)",
                 "Keras ms",
                 "native ms",
                 "Keras/native",
@@ -234,8 +273,12 @@ def markdown(results):
             [collective_row(c) for c in cells],
         ),
         "",
-        "**Per-rank memory** (KiB; params / grads / optimizer state; "
-        "limit = sharded total / N + replicated part, for the Keras layout)",
+        "**Per-rank memory** (KiB; params / grads / optimizer state; the "
+        "limit follows from the mode's definition, not from any run's "
+        "layout: params + grads + optimizer slots, replicated for single "
+        "and dp, the Megatron plan's parameters / model-axis size for tp "
+        "and 2d, everything / N for fsdp; native totals include DDP's "
+        "gradient buckets)",
         "",
         _table(
             [
@@ -246,7 +289,8 @@ def markdown(results):
                 "limit",
                 "Keras/limit",
                 "memory",
-                "native total",
+                "native total (DDP buckets)",
+                "native/limit",
             ],
             [memory_row(c) for c in cells],
         ),
@@ -288,7 +332,8 @@ def print_progress(cell):
     print(
         f"[bench] {cell['workload']}/{cell['mode']}: keras "
         f"{_ms(cell['step_ms']['keras'])} ms, native "
-        f"{_ms(cell['step_ms']['native'])} ms, ratio {cell['ratio']:.2f}",
+        f"{_ms(cell['step_ms']['native'])} ms, ratio {cell['ratio']:.2f}, "
+        f"twin {twin_text(cell)}",
         flush=True,
     )
 

@@ -250,6 +250,22 @@ def parallelize(model, mode, mesh):
     raise ValueError(f"Unknown mode {mode!r}.")
 
 
+def ddp_bucket_bytes(model):
+    """Bytes of the gradient buckets `DistributedDataParallel` keeps.
+
+    Without `gradient_as_bucket_view`, DDP's reducer holds a flat buffer
+    per bucket, alongside the gradients, for the life of the module; DDP
+    reports their sizes in its logging data. 0 for a module that is not
+    DDP, or whose gradients are views of the buckets (counted with them).
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    if model.gradient_as_bucket_view:
+        return 0
+    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(size) for size in str(sizes).split(",") if size.strip())
+
+
 def loss_fn(logits, y):
     """Mean cross-entropy over every sample (and token)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

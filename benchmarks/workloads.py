@@ -8,11 +8,19 @@ against the same theoretical minima.
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
 WORKLOADS = ("mlp", "transformer", "llama")
 MODES = ("single", "dp", "tp", "2d", "fsdp")
+
+# Parameters that the Megatron plan shards over the tensor-parallel axis:
+# the kernels and biases of the column-parallel layers, the kernels of the
+# row-parallel ones (as `ColwiseParallel` and `RowwiseParallel` do).
+TENSOR_PARALLEL_SHARDED = (
+    r"b\d+_(q|k|v|up|gate)/(kernel|bias)|b\d+_(o|down)/kernel"
+)
 
 # DDP's default bucket size: gradients up to this many bytes are reduced
 # with one collective.
@@ -159,3 +167,32 @@ def minimum_collectives(workload, config, mode, grad_bytes, world):
     if not notes:
         notes.append("no communication")
     return {"forward": forward, "total": total, "note": "; ".join(notes)}
+
+
+def memory_limit_bytes(mode, world, full_sizes, slots):
+    """The per-rank bytes a mode needs at least, by the mode's definition.
+
+    Parameters, gradients and `slots` optimizer states per parameter, each
+    as large as its parameter: `single` and `dp` replicate everything;
+    `tp` and `2d` divide the parameters of the Megatron plan
+    (`TENSOR_PARALLEL_SHARDED`) by the tensor-parallel size and replicate
+    the rest; `fsdp` divides everything by the number of processes.
+    Computed from the full sizes alone, not from any layout that a run
+    produced.
+
+    Args:
+        mode: one of `MODES`.
+        world: number of processes.
+        full_sizes: `{parameter path: bytes of its full value}`.
+        slots: optimizer state tensors per parameter.
+    """
+    data, model = mesh_shape(mode, world)
+    per_copy = 0.0
+    for path, size in full_sizes.items():
+        if mode == "fsdp":
+            per_copy += size / (data * model)
+        elif re.search(TENSOR_PARALLEL_SHARDED, path):
+            per_copy += size / model
+        else:
+            per_copy += size
+    return int(per_copy * (2 + slots))
