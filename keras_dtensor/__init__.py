@@ -36,4 +36,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'keras_dtensor' has no attribute {name!r}")
 
 
+def __dir__():
+    """Lists the module's names and the public helpers it serves lazily.
+
+    Used by `dir(keras_dtensor)` and tab completion; lists the helpers
+    without importing them, so neither keras nor torch is imported.
+    """
+    public = importlib.import_module("keras_dtensor._public")
+    return sorted(set(globals()) | set(public.PUBLIC_NAMES))
+
+
 install()

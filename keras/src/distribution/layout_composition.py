@@ -43,6 +43,11 @@ def make_device_mesh(axis_sizes, devices=None):
 
     Returns:
         A `keras.distribution.DeviceMesh`.
+
+    Raises:
+        ValueError: if `axis_sizes` is empty, a size is neither positive
+            nor `-1`, more than one size is `-1`, or the sizes do not fit
+            the number of devices.
     """
     if not axis_sizes:
         raise ValueError(
@@ -380,7 +385,27 @@ def tensor_layout(axes, device_mesh):
 
 
 def layout_map_axes(layout_map):
-    """Returns a plain dict from each key of a `LayoutMap` to its axes."""
+    """Returns a plain dict from each key of a `LayoutMap` to its axes.
+
+    Handy for printing or comparing maps: each `TensorLayout` becomes its
+    axes as a tuple, where a dimension over one mesh axis is the axis name,
+    over several a tuple of names, and unsharded `None`.
+
+    Example:
+
+    ```python
+    layout_map = LayoutMap(mesh)
+    layout_map["dense/kernel"] = (None, "model")
+    layout_map_axes(layout_map)  # {"dense/kernel": (None, "model")}
+    ```
+
+    Args:
+        layout_map: a `keras.distribution.LayoutMap`.
+
+    Returns:
+        A dict from each key of `layout_map`, in its order, to a tuple of
+        axes.
+    """
     return {key: normalize_axes(layout_map[key]) for key in layout_map}
 
 

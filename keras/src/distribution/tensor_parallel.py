@@ -60,6 +60,9 @@ def column_parallel(axis="model", *, gather_output=False):
 
     Returns:
         A style: a function `(layer, batch_dim_name) -> dict` for a plan.
+        Applied by `tensor_parallel_layouts`, it raises a `ValueError`
+        naming a layer it cannot split: not a `Dense`, `EinsumDense` or
+        `Embedding`, quantized, or not built.
     """
     return functools.partial(
         column_parallel_layouts, axis=axis, gather_output=gather_output
@@ -79,6 +82,9 @@ def row_parallel(axis="model"):
 
     Returns:
         A style: a function `(layer, batch_dim_name) -> dict` for a plan.
+        Applied by `tensor_parallel_layouts`, it raises a `ValueError`
+        naming a layer it cannot split: not a `Dense`, `EinsumDense` or
+        `Embedding`, quantized, or not built.
     """
     return functools.partial(row_parallel_layouts, axis=axis)
 
@@ -92,6 +98,8 @@ def prepare_output(axes):
 
     Returns:
         A style: a function `(layer, batch_dim_name) -> dict` for a plan.
+        Applied by `tensor_parallel_layouts`, it raises a `ValueError` when
+        `axes` does not have the rank of the layer's output.
     """
     return functools.partial(output_layouts, axes=tuple(axes))
 
@@ -109,6 +117,10 @@ def prepare_input(axes):
 
     Returns:
         A style: a function `(layer, batch_dim_name) -> dict` for a plan.
+        Applied by `tensor_parallel_layouts`, it raises a `ValueError` when
+        the layer has no recorded inputs (outside a functional model), or
+        an input comes from a model input or a non-layer operation, or has
+        another rank than `axes`.
     """
     return functools.partial(input_layouts, axes=tuple(axes))
 

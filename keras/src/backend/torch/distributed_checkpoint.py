@@ -42,6 +42,9 @@ def checkpoint_variables(model, include_optimizer=True):
     Returns:
         A dict mapping each checkpoint key to its `keras.Variable`, with
         the model's variables first.
+
+    Raises:
+        ValueError: if the model is not built.
     """
     if not model.built:
         raise ValueError(
@@ -70,6 +73,17 @@ def save_checkpoint(model, directory, include_optimizer=True):
         model: a built Keras model.
         directory: the checkpoint folder; an existing one is replaced.
         include_optimizer: whether to save the optimizer's variables.
+
+    Returns:
+        `None`; the checkpoint is in `directory` on return, on every
+        process.
+
+    Raises:
+        ValueError: if the model is not built.
+        RuntimeError: under several processes, if a process does not call
+            `save_checkpoint` within `KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS`;
+            on processes other than 0, if process 0 failed to put the
+            checkpoint in place (process 0 raises its own error).
     """
     variables = checkpoint_variables(model, include_optimizer)
     state = {key: _tensor(variable) for key, variable in variables.items()}
@@ -102,9 +116,17 @@ def load_checkpoint(model, directory, include_optimizer=True):
         directory: the checkpoint folder.
         include_optimizer: whether to load the optimizer's variables.
 
+    Returns:
+        `None`; the model's (and optimizer's) variables hold the saved
+        values on return, in their own layouts.
+
     Raises:
-        ValueError: if the checkpoint lacks a variable of the model or holds
-            it with another shape.
+        ValueError: if the model is not built, or the checkpoint lacks a
+            variable of the model or holds it with another shape.
+        RuntimeError: under several processes, if a process does not call
+            `load_checkpoint` within `KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS`,
+            or process 0 failed to restore a checkpoint whose replacement
+            was interrupted.
     """
     directory = os.fspath(directory)
     distributed_saving.check_every_process_calls("load_checkpoint", directory)
