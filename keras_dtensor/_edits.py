@@ -16,7 +16,8 @@ from keras_dtensor import _compile_edits
 from keras_dtensor import _saving_edits
 
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
-SUPPORTED_TORCH_MINIMUM = "2.6"
+# Measured by scripts/torch_matrix.sh (README, "Supported versions").
+SUPPORTED_TORCH = ("2.11", "2.16")  # [minimum, exclusive maximum)
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -36,20 +37,29 @@ def _version_tuple(version):
     return tuple(parts)
 
 
+def _in_range(version, supported):
+    """Whether `version` lies in `supported`, a [minimum, maximum) pair."""
+    low, high = (_version_tuple(v) for v in supported)
+    return low <= _version_tuple(version) < high
+
+
+def _range_text(name, supported):
+    """`("2.11", "2.16")` -> `"torch>=2.11,<2.16"`, as pyproject says it."""
+    return f"{name}>={supported[0]},<{supported[1]}"
+
+
 def check_supported_versions(module=None):
     """Fails with one clear error on a keras or torch outside the range."""
     import torch
 
     from keras.src.version import __version__ as keras_version
 
-    low, high = (_version_tuple(v) for v in SUPPORTED_KERAS)
-    keras_ok = low <= _version_tuple(keras_version) < high
-    torch_ok = _version_tuple(torch.__version__) >= _version_tuple(
-        SUPPORTED_TORCH_MINIMUM
-    )
+    keras_ok = _in_range(keras_version, SUPPORTED_KERAS)
+    torch_ok = _in_range(torch.__version__, SUPPORTED_TORCH)
     if not (keras_ok and torch_ok):
         raise UnsupportedVersionError(
-            "keras-dtensor supports keras>=3.15.1,<3.16 and torch>=2.6. "
+            f"keras-dtensor supports {_range_text('keras', SUPPORTED_KERAS)} "
+            f"and {_range_text('torch', SUPPORTED_TORCH)}. "
             f"Found keras=={keras_version} and torch=={torch.__version__}. "
             "Install a supported version, or uninstall keras-dtensor."
         )

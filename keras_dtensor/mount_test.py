@@ -162,10 +162,49 @@ def test_unsupported_version_gives_one_clear_error(monkeypatch):
         _edits.check_supported_versions()
     message = str(error.value)
     assert "keras>=3.15.1,<3.16" in message
-    assert "torch>=2.6" in message
+    assert "torch>=2.11,<2.16" in message
     assert "keras==3.14.0" in message
     monkeypatch.setattr(version, "__version__", "3.15.1")
     _edits.check_supported_versions()
+
+
+@pytest.mark.parametrize(
+    "torch_version,supported",
+    [
+        ("2.10.0", False),
+        ("2.11.0+cu130", True),
+        ("2.13.0+cpu", True),
+        ("2.15.0", True),
+        ("2.16.0", False),
+    ],
+)
+def test_torch_outside_the_tested_range_is_an_error(
+    monkeypatch, torch_version, supported
+):
+    import torch
+
+    from keras_dtensor import _edits
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    if supported:
+        _edits.check_supported_versions()
+        return
+    with pytest.raises(_edits.UnsupportedVersionError) as error:
+        _edits.check_supported_versions()
+    assert f"torch=={torch_version}" in str(error.value)
+    assert "torch>=2.11,<2.16" in str(error.value)
+
+
+def test_pyproject_declares_the_checked_ranges():
+    from keras_dtensor import _edits
+
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        pyproject = f.read()
+    for name, supported in (
+        ("keras", _edits.SUPPORTED_KERAS),
+        ("torch", _edits.SUPPORTED_TORCH),
+    ):
+        assert f'"{_edits._range_text(name, supported)}"' in pyproject
 
 
 def test_version_parsing():
