@@ -12,6 +12,15 @@ rank pairs with a different one):
   `set_distribution`, where every rank is. (Before, the mesh conversion
   broadcast the seed on rank 0 alone: DETAIL reported BROADCAST on rank 0
   against ALLREDUCE on rank 1, and without DETAIL the job hung.)
+- `buckets`: with one gradient per bucket
+  (`KERAS_DTENSOR_BUCKET_CAP_MB=0`) and rank 1 slowed down in backward,
+  every rank sends the same buckets in the same order (fixed by the graph,
+  not by timing), all from the main thread (on CPU, autograd runs the
+  gradient hooks on the thread that called backward).
+- `async_logs`: `evaluate` and `predict` (130 rows, a short last batch)
+  with rank 1 slow, by random delays, in converting batch-end logs (which
+  gathers the predictions): under a distribution these callbacks run on
+  the main thread, and `predict` returns `predict_on_batch`'s rows.
 - `skip`: rank 0 alone calls `model.evaluate`, then both `model.predict`.
 - `die`: rank 1 is killed (SIGKILL) in the middle of a training step.
 
@@ -24,6 +33,7 @@ import os
 import time
 
 import harness
+import numpy as np
 import pytest
 
 TIMEOUT_SECONDS = 20
@@ -57,15 +67,52 @@ def test_reading_a_mesh_on_one_rank_issues_no_collective(tmp_path):
         "lockstep_worker.py", 2, tmp_path, args=["hidden"], timeout=180
     )
     for report in reports:
-        assert report["all_reduced"] == [3.0] * 4
+        assert report["hidden/all_reduced"] == [3.0] * 4
     # The seed shared by `set_distribution`: replicas are identical.
-    assert reports[0]["weights"] == reports[1]["weights"]
+    assert reports[0]["hidden/weights"] == reports[1]["hidden/weights"]
+
+
+@pytest.fixture(scope="module")
+def ordered(tmp_path_factory):
+    """One launch of the `buckets` and `async_logs` scenarios."""
+    return harness.launch(
+        "lockstep_worker.py",
+        2,
+        tmp_path_factory.mktemp("ordered"),
+        args=["buckets", "async_logs"],
+        timeout=240,
+        env={"KERAS_DTENSOR_BUCKET_CAP_MB": "0"},
+    )
+
+
+def test_buckets_are_sent_in_one_order_from_the_main_thread(ordered):
+    sent = [report["buckets/buckets"] for report in ordered]
+    # 2 epochs of 4 steps, 6 gradients each, one per bucket.
+    assert len(sent[0]) == 2 * 4 * 6
+    assert all(len(bucket["paths"]) == 1 for bucket in sent[0])
+    assert sent[0] == sent[1]
+    assert all(bucket["main_thread"] for bucket in sent[0])
+
+
+def test_batch_end_logs_are_gathered_on_the_main_thread(ordered):
+    for report in ordered:
+        np.testing.assert_allclose(
+            report["async_logs/predictions"],
+            report["async_logs/expected"],
+            rtol=1e-6,
+        )
+        assert report["async_logs/loss"] == ordered[0]["async_logs/loss"]
 
 
 def test_rank_skipping_a_call_ends_every_rank_in_time(tmp_path):
     text, elapsed = launch_failing("skip", tmp_path)
     assert "exited with 1" in text
-    assert "Raised in `evaluate` on process 0 of 2" in text
+    # Whichever rank fails first names its call: rank 0 is in `evaluate`,
+    # rank 1 in `predict`.
+    assert (
+        "Raised in `evaluate` on process 0 of 2" in text
+        or "Raised in `predict` on process 1 of 2" in text
+    )
     assert "KERAS_DTENSOR_TIMEOUT_SECONDS" in text
     assert elapsed < TIMEOUT_SECONDS + SLACK_SECONDS
 

@@ -1,6 +1,7 @@
 """Collectives in lockstep: a hidden collective, a skipped one, a dead rank.
 
-Usage: lockstep_worker.py SCENARIO
+Usage: lockstep_worker.py SCENARIO [SCENARIO ...]; values are reported
+under `<SCENARIO>/`.
 
 - `hidden`: the process group is created with `dist.init_process_group`
   (not `initialize`) and no seed is set. Rank 0 alone logs its mesh's
@@ -13,6 +14,15 @@ Usage: lockstep_worker.py SCENARIO
   call `model.predict`. Expected to fail on every rank.
 - `die`: rank 1 kills itself (SIGKILL) inside the forward pass of the
   third training step. Expected to fail on every rank.
+- `buckets`: DataParallel training with one gradient per bucket, rank 1
+  slowed down in backward (a sleeping gradient hook between the layers),
+  with a progress bar (printed by rank 0 only). Reports,
+  for every bucket sent, the paths of its gradients and whether it was
+  sent from the main thread.
+- `async_logs`: `evaluate` and `predict` (130 rows, a short last batch)
+  with batch-end logs converted after random delays on rank 1 (converting
+  gathers the predictions). Reports the loss and the predictions, and
+  `predict_on_batch` of the same rows.
 
 Before the faulty part, each rank writes the time to `rank<r>.start` in
 the result folder, so that the test can measure how long the others took
@@ -22,6 +32,7 @@ to end.
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -121,9 +132,84 @@ def die():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+class SlowBackwardOnRankOne(keras.layers.Layer):
+    """Identity whose gradient waits 50 ms on rank 1."""
+
+    def call(self, inputs, training=False):
+        if training and worker_utils.rank() == 1 and inputs.requires_grad:
+            inputs.register_hook(lambda grad: time.sleep(0.05))
+        return inputs
+
+
+def buckets():
+    from keras.src.backend.torch import gradient_buckets
+
+    keras.distribution.initialize()
+    keras.distribution.set_distribution(data_parallel())
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="relu", name="first")(inputs)
+    x = SlowBackwardOnRankOne()(x)
+    x = keras.layers.Dense(16, activation="relu", name="second")(x)
+    x = SlowBackwardOnRankOne()(x)
+    outputs = keras.layers.Dense(1, name="out")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    paths = {id(v.value): v.path for v in model.trainable_variables}
+    sent = []
+    upstream_launch = gradient_buckets._Bucket.launch
+
+    def launch(bucket):
+        sent.append(
+            {
+                "paths": [paths[id(entry[0])] for entry in bucket.entries],
+                "main_thread": threading.current_thread()
+                is threading.main_thread(),
+            }
+        )
+        upstream_launch(bucket)
+
+    gradient_buckets._Bucket.launch = launch
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=1)
+    worker_utils.record("buckets", sent)
+
+
+def async_logs():
+    from keras.src.utils import python_utils
+
+    keras.distribution.initialize()
+    keras.distribution.set_distribution(data_parallel())
+    model = build_model()
+    pythonify_logs = python_utils.pythonify_logs
+
+    delays = np.random.default_rng(worker_utils.rank()).uniform(0, 0.03, 99)
+    calls = iter(range(10**6))
+
+    def slow_pythonify_logs(logs):
+        if worker_utils.rank() == 1:
+            time.sleep(delays[next(calls) % len(delays)])
+        return pythonify_logs(logs)
+
+    python_utils.pythonify_logs = slow_pythonify_logs
+    x, y = data()
+    # 130 rows: the last batch of 4 is short.
+    x = np.concatenate([np.tile(x, (4, 1)), x[:2]])
+    y = np.concatenate([np.tile(y, (4, 1)), y[:2]])
+    worker_utils.record("loss", model.evaluate(x, y, batch_size=4, verbose=0))
+    worker_utils.record(
+        "predictions", model.predict(x, batch_size=4, verbose=0)
+    )
+    worker_utils.record("expected", model.predict_on_batch(x))
+
+
 @record
 def main():
-    {"hidden": hidden, "skip": skip, "die": die}[sys.argv[1]]()
+    scenarios = {"hidden": hidden, "skip": skip, "die": die}
+    scenarios["buckets"] = buckets
+    scenarios["async_logs"] = async_logs
+    for name in sys.argv[1:]:
+        with worker_utils.prefixed(name):
+            scenarios[name]()
     worker_utils.report()
 
 
