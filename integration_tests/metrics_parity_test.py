@@ -5,9 +5,8 @@ that logs many built-in metric kinds: `Mean` and `Sum` (owned by a layer
 and by the model), binary and categorical accuracies, AUC (ROC and PR),
 confusion counts (`TruePositives`, `FalseNegatives`), `Precision`,
 `Recall`, F1 and F-beta, the at-recall/precision/sensitivity/specificity
-family, and the regression, probabilistic and hinge metrics. The IoU
-family and `R2Score` fail under a distribution: their test is an xfail
-that turns into a failure once they work. It runs in three launches: one
+family, the regression, probabilistic and hinge metrics, the IoU family
+and `R2Score`. It runs in three launches: one
 process without a distribution (the reference), 2 processes
 (DataParallel on (2,) and ModelParallel on (1, 2) with sharded kernels
 and heads) and 4 processes (ModelParallel on a (2, 2) `batch` x `model`
@@ -207,35 +206,16 @@ def test_counts_match_numpy(any_run):
             assert history[name] == [float(positive.sum())] * EPOCHS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="IoU metrics and R2Score fail under a distribution: a tensor "
-    "they create from a Python number (`ops.where(mask, y, 0)`, "
-    "`broadcast_to(convert_to_tensor(1), shape)`) stays a plain tensor "
-    "and meets a DTensor (README.md, known gaps)",
-)
-def test_known_gap_metrics_match_single_process(case):
+def test_iou_and_r2_metrics_match_single_process(case):
+    """The IoU family and `R2Score` (which broadcast and index tensors
+    made from Python values) log the single-process values."""
     reports, reference = case
-    assert reference["known_gaps/error"] is None
+    assert reference["iou_r2/error"] is None
     for report in reports:
-        assert report["known_gaps/error"] is None, report["known_gaps/error"]
+        assert report["iou_r2/error"] is None, report["iou_r2/error"]
         assert_logs_match(
-            report["known_gaps/evaluate"], reference["known_gaps/evaluate"]
+            report["iou_r2/evaluate"], reference["iou_r2/evaluate"]
         )
-
-
-def known_gap_errors(case):
-    """The errors of the known-gap metrics on every rank."""
-    reports, _ = case
-    return [report["known_gaps/error"] for report in reports]
-
-
-def test_known_gap_metrics_fail_the_same_way_on_every_rank(case):
-    """Until fixed, the failure is an error on every rank, never a hang or
-    a wrong number; a fix turns the xfail above into a failure."""
-    errors = known_gap_errors(case)
-    assert len(set(errors)) == 1
-    assert errors[0] is None or "DTensor" in errors[0]
 
 
 def test_predict_returns_the_full_global_batch(case):

@@ -460,6 +460,32 @@ def collective_failure_note(operation):
     )
 
 
+def edit_metrics_result_in_step_context(trainer_module):
+    """Metric results are computed as a step computes its values.
+
+    `get_metrics_result` runs after the step, on the metrics' distributed
+    variables; under a distribution it runs in `replicate_created_tensors`,
+    so the index and constant tensors that results make from Python values
+    (`MeanIoU`'s class indices, say) are replicated DTensors too.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.common import global_state
+
+    upstream_get_metrics_result = trainer_module.Trainer.get_metrics_result
+
+    def get_metrics_result(self):
+        distribution = global_state.get_global_attribute("distribution")
+        if distribution is None:
+            return upstream_get_metrics_result(self)
+        with _torch_distribution_lib().replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            return upstream_get_metrics_result(self)
+
+    trainer_module.Trainer.get_metrics_result = get_metrics_result
+
+
 def edit_trainer_names_failed_calls(trainer_module):
     """Errors from collectives name the trainer call they ended.
 
@@ -514,6 +540,7 @@ POST_IMPORT_EDITS = {
         edit_trainer_input_distribution,
         edit_trainer_names_failed_calls,
     ],
+    "keras.src.trainers.trainer": lambda: [edit_metrics_result_in_step_context],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
     "keras.src.layers.layer": lambda: [edit_layer_call_distributes_inputs],
     "keras.src.callbacks.progbar_logger": lambda: [

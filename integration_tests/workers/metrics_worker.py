@@ -13,8 +13,9 @@ and hinge metric) and `classes` (softmax, with categorical accuracy
 metrics and crossentropy). A layer owns a `Mean` and a `Sum` of the
 activations it sees, and the model's `compute_metrics` adds a `Sum` of the
 positive labels (an exact count) and a `Mean` of the predicted
-probability. A second, short fit reports what the metrics that fail under
-a distribution give (`known_gap_metrics`: the IoU family, `R2Score`).
+probability. A second, short fit reports the metrics whose results index
+or broadcast tensors made from Python values (`iou_and_r2_metrics`: the
+IoU family, `R2Score`).
 """
 
 import sys
@@ -125,9 +126,9 @@ def probabilistic_metrics():
     ]
 
 
-def known_gap_metrics():
-    """Metrics that fail under a distribution (README.md, known gaps):
-    the IoU family and `R2Score`, by head."""
+def iou_and_r2_metrics():
+    """The IoU family and `R2Score`, by head: their updates and results
+    broadcast and index tensors made from Python values."""
     m = keras.metrics
     return {
         "binary": [m.BinaryIoU(name="binary_iou"), m.R2Score(name="r2")],
@@ -138,9 +139,9 @@ def known_gap_metrics():
     }
 
 
-def check_known_gaps(prefix):
-    """Fits and evaluates with `known_gap_metrics`; records the `evaluate`
-    results, or the error."""
+def check_iou_and_r2(prefix):
+    """Fits and evaluates with `iou_and_r2_metrics`; records the
+    `evaluate` results, or the error."""
     keras.utils.set_random_seed(1337)
     model = build_model()
     model.compile(
@@ -149,7 +150,7 @@ def check_known_gaps(prefix):
             "binary": keras.losses.BinaryCrossentropy(),
             "classes": keras.losses.SparseCategoricalCrossentropy(),
         },
-        metrics=known_gap_metrics(),
+        metrics=iou_and_r2_metrics(),
     )
     x, y = make_data()
 
@@ -159,11 +160,11 @@ def check_known_gaps(prefix):
             x, y, batch_size=BATCH_SIZE, verbose=0, return_dict=True
         )
         record(
-            prefix + "known_gaps/evaluate",
+            prefix + "iou_r2/evaluate",
             {k: float(v) for k, v in evaluation.items()},
         )
 
-    worker_utils.record_error(prefix + "known_gaps/error", fit_and_evaluate)
+    worker_utils.record_error(prefix + "iou_r2/error", fit_and_evaluate)
 
 
 def compile_model(model):
@@ -276,7 +277,7 @@ def run(mode):
         {k: np.asarray(v).tolist() for k, v in predictions.items()},
     )
     record(prefix + "labels", y["binary"][:, 0])
-    check_known_gaps(prefix)
+    check_iou_and_r2(prefix)
 
 
 def main():

@@ -650,12 +650,17 @@ def _reduce_single_use_partials(value):
 
 
 def _created_from_python_values(value, args, kwargs):
-    """Whether `value` is a plain multi-element tensor made from no tensor."""
+    """Whether `value` is a plain tensor made from no tensor.
+
+    Scalars count too: DTensor would take a 0-d tensor for a replicated
+    scalar where it meets a DTensor, but not the tensors derived from it
+    alone (`broadcast_to(1, shape)`, as metrics do for a missing sample
+    weight), which are as identical on every process.
+    """
     if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
         return False
-    if value.ndim == 0 or value.device.type == "meta":
-        # DTensor treats 0-d tensors as replicated scalars already, and
-        # meta tensors (shape inference) hold no values.
+    if value.device.type == "meta":
+        # Meta tensors (shape inference) hold no values.
         return False
     leaves = tree.flatten((args, kwargs))
     return not any(isinstance(leaf, torch.Tensor) for leaf in leaves)

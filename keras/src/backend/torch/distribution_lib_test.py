@@ -395,13 +395,16 @@ class ReplicateCreatedTensorsTest(testing.TestCase):
             positions = torch.arange(6)
             constants = torch.as_tensor(np.ones((2, 3), dtype="float32"))
             scalar = torch.tensor(2.0)
+            broadcast = torch.broadcast_to(scalar, (2, 3))
             meta = torch.ones(3, device="meta")
-        for value in (positions, constants):
+        for value in (positions, constants, scalar, broadcast):
             self.assertIsInstance(value, DTensor)
             self.assertEqual(tuple(value.placements), (Replicate(),))
         self.assertAllClose(positions.to_local().numpy(), np.arange(6))
-        # One-element and meta tensors stay plain.
-        self.assertNotIsInstance(scalar, DTensor)
+        # A scalar counts too, so what is derived from it alone (as
+        # metrics broadcast a missing sample weight) is replicated.
+        self.assertAllClose(broadcast.to_local().numpy(), np.full((2, 3), 2))
+        # Meta tensors (shape inference) hold no values and stay plain.
         self.assertNotIsInstance(meta, DTensor)
 
     def test_tensors_from_tensors_stay_plain(self):
