@@ -95,7 +95,7 @@ def launch(
 
 
 def launch_reference_and_runs(
-    worker, tmp_path_factory, reference_args, runs, timeout=240
+    worker, tmp_path_factory, reference_args, runs, timeout=240, env=None
 ):
     """Runs `worker` once on one process, then once per process count.
 
@@ -107,6 +107,7 @@ def launch_reference_and_runs(
         runs: a dict of process count to the worker's arguments for that
             launch.
         timeout: hard limit in seconds for each launch.
+        env: extra environment variables for the multi-process launches.
 
     Returns:
         `(reference, reports)`: the single-process report, and a dict of
@@ -127,6 +128,7 @@ def launch_reference_and_runs(
             tmp_path_factory.mktemp(f"{name}_{nprocs}"),
             args=list(args),
             timeout=timeout,
+            env=env,
         )
         for nprocs, args in runs.items()
     }
