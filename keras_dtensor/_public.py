@@ -15,6 +15,8 @@ PUBLIC_NAMES = {
     "check_layouts": "keras.src.distribution.layout_composition",
     "make_device_mesh": "keras.src.distribution.layout_composition",
     "layout_map_axes": "keras.src.distribution.layout_composition",
+    # Activation recomputation.
+    "remat_layers": "keras.src.distribution.remat",
     # Sharded checkpoints.
     "save_checkpoint": "keras.src.backend.torch.distributed_checkpoint",
     "load_checkpoint": "keras.src.backend.torch.distributed_checkpoint",
