@@ -12,7 +12,6 @@ keras at module level.
 import re
 import sys
 
-from keras_dtensor import _compile_edits
 from keras_dtensor import _saving_edits
 
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
@@ -229,69 +228,34 @@ def edit_compute_output_spec(core):
     core.compute_output_spec = compute_output_spec
 
 
-def distribute_step_inputs(step_fn):
-    """Wraps a step function to distribute its batch on entry.
+def edit_trainer_step_functions(trainer_module):
+    """Step functions distribute their batch and compile for DTensor.
 
-    Under a distribution, every array leaf of the batch becomes a DTensor
-    laid out by `Distribution.get_data_layout`, and `step_fn` runs in
-    `replicate_created_tensors`, so that the tensors it creates from Python
-    values are replicated DTensors. Without a distribution, `step_fn` runs
-    as it is.
+    `make_train_function`, `make_test_function` and
+    `make_predict_function` pass the step function upstream built to
+    `distributed_trainer.distribute_step_function`: under a distribution
+    the model must be distributed, the batch is distributed on entry and
+    the step runs in `replicate_created_tensors`; with `jit_compile=True`
+    the step is compiled with `distributed_step_backend`. Without a
+    distribution the step is upstream's.
     """
-    from keras.src.backend.common import global_state
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.torch import distributed_trainer
 
-    def step_with_distributed_inputs(data):
-        distribution = global_state.get_global_attribute("distribution")
-        if distribution is None:
-            return step_fn(data)
-        distribution_lib = _torch_distribution_lib()
-        data = distribution_lib.distribute_data(data, distribution)
-        with distribution_lib.replicate_created_tensors(
-            distribution.device_mesh
-        ):
-            return step_fn(data)
+    trainer_class = trainer_module.TorchTrainer
 
-    step_with_distributed_inputs.distributes_inputs = True
-    return step_with_distributed_inputs
-
-
-def edit_trainer_input_distribution(trainer_module):
-    """Train, test and predict steps distribute their input batch on entry.
-
-    The step functions that `make_train_function`, `make_test_function`
-    and `make_predict_function` build (compiled or not) are wrapped by
-    `distribute_step_inputs`, and, under a distribution, a model built
-    before it was set fails with a clear error instead of inside a kernel.
-    Without a distribution the step is upstream's.
-    """
-    from keras.src.backend.common import global_state
-
-    def wrap_maker(function_name):
-        upstream_maker = getattr(trainer_module.TorchTrainer, function_name)
+    def wrap_maker(kind):
+        upstream_maker = getattr(trainer_class, f"make_{kind}_function")
 
         def make_function(self, force=False):
             upstream_maker(self, force=force)
-            distribution = global_state.get_global_attribute("distribution")
-            if distribution is not None:
-                _torch_distribution_lib().check_model_distributed(
-                    self, distribution
-                )
-            attribute = function_name[len("make_") :]
-            step_fn = getattr(self, attribute)
-            if step_fn is not None and not getattr(
-                step_fn, "distributes_inputs", False
-            ):
-                setattr(self, attribute, distribute_step_inputs(step_fn))
-            return getattr(self, attribute)
+            return distributed_trainer.distribute_step_function(self, kind)
 
-        setattr(trainer_module.TorchTrainer, function_name, make_function)
+        setattr(trainer_class, f"make_{kind}_function", make_function)
 
-    for function_name in (
-        "make_train_function",
-        "make_test_function",
-        "make_predict_function",
-    ):
-        wrap_maker(function_name)
+    for kind in distributed_trainer.STEP_KINDS:
+        wrap_maker(kind)
 
 
 def edit_layer_call_distributes_inputs(layer_module):
@@ -537,7 +501,7 @@ POST_IMPORT_EDITS = {
         edit_set_distribution_shares_seed,
     ],
     "keras.src.backend.torch.trainer": lambda: [
-        edit_trainer_input_distribution,
+        edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],
     "keras.src.trainers.trainer": lambda: [edit_metrics_result_in_step_context],
@@ -570,7 +534,6 @@ def _merge_edit_tables(*tables):
 POST_IMPORT_EDITS = _merge_edit_tables(
     POST_IMPORT_EDITS,
     _saving_edits.POST_IMPORT_EDITS,
-    _compile_edits.POST_IMPORT_EDITS,
 )
 
 

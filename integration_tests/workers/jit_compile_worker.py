@@ -7,7 +7,7 @@ values `training_worker.train` reports, each run reports `<RUN>/compiled`:
 how many frames, graphs and AOT-autograd graphs torch.compile produced
 while it ran (all 0 for an eager run), and for a jit run under a
 distribution whether `fit`, `evaluate` and `predict` used the compiled
-steps of `keras_dtensor._compile_edits`.
+steps of `keras/src/backend/torch/distributed_trainer.py`.
 """
 
 import sys

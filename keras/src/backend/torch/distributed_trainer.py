@@ -1,0 +1,429 @@
+"""Train, test and predict steps of the torch trainer under a distribution.
+
+`TorchTrainer.make_train_function`, `make_test_function` and
+`make_predict_function` pass the step function they build to
+`distribute_step_function`, which returns a `DistributedStepFunction`:
+
+- Under a distribution, the step distributes its batch on entry (every
+  array leaf becomes a DTensor laid out by `Distribution.get_data_layout`)
+  and runs in `distribution_lib.replicate_created_tensors`, so that the
+  tensors it creates from Python values are replicated DTensors. Without a
+  distribution it runs as upstream's.
+- Under a distribution with `jit_compile=True`, the step is compiled with
+  `distributed_step_backend` instead of upstream's plain `torch.compile`.
+
+Upstream compiles each whole step function with `torch.compile`. Dynamo
+splits the train step at `loss.backward()`, and keras layers break graphs
+too (e.g. `MultiHeadAttention` at `SDPAParams`). With DTensor values that
+fails or computes wrong numbers in four ways, which the compiled steps
+made here avoid while DTensor still does all the math:
+
+1. Missing tangents (pytorch#172556). The graph that ends at
+   `loss.backward()` returns the loss and the predictions `y_pred`, which
+   only `compute_metrics` reads afterwards. Both require gradients, but
+   backward starts from the loss alone, so autograd passes a plain zero
+   tensor as the gradient of `y_pred`, where the compiled backward expects
+   a DTensor: "Expected a DTensor tangent but got a plain Tensor (tangent
+   index: 1)". The compile backend ties the differentiable DTensor outputs
+   of each compiled graph together through one autograd node, which gives
+   an output that backward does not reach a zero DTensor gradient, so any
+   train step (a model's own included) can call `loss.backward()`.
+   The train step used for upstream's `train_step` also detaches `y_pred`
+   before backward, which spares the backward pass that zero gradient.
+2. Aliased outputs (pytorch#184002). A graph split inside a layer returns
+   several views of one tensor (e.g. attention's query and its transpose);
+   AOT autograd rebuilds such outputs with `as_strided`, which DTensor
+   rejects. The compile backend clones graph outputs that share storage
+   with another output or an input.
+3. Backward under Dynamo. `loss.backward()` called from compiled code runs
+   with Dynamo's frame hook active, so the Python code that backward
+   calls (DTensor's `__tensor_unflatten__`, gradient hooks) gets traced,
+   and that failed. Backward is called through `torch.compiler.disable`:
+   it still runs the compiled backward graphs; only its Python glue (and
+   the gradient reduction hooks) runs eagerly.
+4. Wrong numbers from the AOT autograd cache. Its key is computed from the
+   Dynamo graph and its inputs' metadata, and it evidently misses
+   something the code DTensor lowers the graph to depends on: with
+   entries left in the shared cache folder by earlier runs (other meshes
+   and code versions), ModelParallel losses were off by up to 26% from
+   the first step, while a fresh cache folder, or no AOT autograd cache,
+   gave the eager numbers. The backend compiles without the AOT autograd
+   cache; inductor's own cache, keyed on the lowered graph, stays on.
+
+Shapes are static (`dynamic=False`): with automatic dynamic shapes,
+tracing the transformer's graphs under DTensor ended in a RecursionError.
+
+Collectives: the steps issue those of `distribution_lib.distribute_data`
+and of the step itself, on the thread that runs the step; building a step
+function issues none.
+"""
+
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree
+
+from keras.src import tree
+from keras.src.backend.torch import distribution_lib
+from keras.src.distribution import distribution_lib as keras_distribution_lib
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+STEP_KINDS = ("train", "test", "predict")
+
+# SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in the keras
+# release that `train_step_with_detached_predictions` was copied from.
+# `distributed_trainer_test` fails when the installed source differs.
+UPSTREAM_TRAIN_STEP_SHA256 = (
+    "a638d4455d8fced660adaffa6b4240ed0c28f8bd1832684b245466ba7f1694d0"
+)
+
+
+class DistributedStepFunction:
+    """A step function that distributes its batch on entry.
+
+    Under a distribution, `step_fn` receives the batch with every array
+    leaf distributed by `distribution_lib.distribute_data`, and runs in
+    `distribution_lib.replicate_created_tensors`. Without a distribution,
+    `step_fn` runs as it is.
+
+    Args:
+        step_fn: the step function, taking the batch.
+        compiled_for_distribution: whether `step_fn` was compiled by
+            `compile_step_function` (with `distributed_step_backend`).
+    """
+
+    def __init__(self, step_fn, compiled_for_distribution=False):
+        self.step_fn = step_fn
+        self.compiled_for_distribution = compiled_for_distribution
+
+    def __call__(self, data):
+        distribution = keras_distribution_lib.distribution()
+        if distribution is None:
+            return self.step_fn(data)
+        data = distribution_lib.distribute_data(data, distribution)
+        with distribution_lib.replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            return self.step_fn(data)
+
+
+def distribute_step_function(trainer, kind):
+    """Makes `trainer`'s step function of `kind` run under a distribution.
+
+    Called after upstream's `make_{kind}_function` set
+    `trainer.{kind}_function`. Under a distribution it first checks that
+    `trainer`'s variables are distributed. It then wraps that function in
+    a `DistributedStepFunction`, or, under a distribution with
+    `jit_compile=True`, replaces it by the step compiled with
+    `distributed_step_backend`. A function this already returned is kept,
+    unless it is not compiled and a compiled one is now needed.
+
+    Args:
+        trainer: the `TorchTrainer` (a compiled model).
+        kind: one of `STEP_KINDS`.
+
+    Returns:
+        The step function, also set as `trainer.{kind}_function`.
+    """
+    attribute = f"{kind}_function"
+    distribution = keras_distribution_lib.distribution()
+    if distribution is not None:
+        distribution_lib.check_model_distributed(trainer, distribution)
+    step_function = getattr(trainer, attribute)
+    compile_step = distribution is not None and trainer._should_torch_compile()
+    if isinstance(step_function, DistributedStepFunction) and (
+        step_function.compiled_for_distribution or not compile_step
+    ):
+        return step_function
+    if compile_step:
+        step_function = DistributedStepFunction(
+            compile_step_function(step_on_data(trainer, kind)),
+            compiled_for_distribution=True,
+        )
+    elif step_function is not None:
+        step_function = DistributedStepFunction(step_function)
+    setattr(trainer, attribute, step_function)
+    return step_function
+
+
+def step_on_data(trainer, kind):
+    """The function of one batch that the compiled step of `kind` runs.
+
+    As upstream's `one_step_on_data`: it takes the batch as the data
+    iterator yields it (a 1-tuple) and runs `trainer`'s step, test and
+    predict steps under `torch.no_grad()`. The train step is
+    `train_step_with_detached_predictions` unless the model overrides
+    `train_step`.
+
+    Args:
+        trainer: the `TorchTrainer`.
+        kind: one of `STEP_KINDS`.
+
+    Returns:
+        A function of the batch.
+    """
+    if kind == "train":
+        if _overrides_train_step(trainer):
+            step = trainer.train_step
+        else:
+            step = train_step_with_detached_predictions(trainer)
+        return lambda data: step(data[0])
+    step = getattr(trainer, f"{kind}_step")
+
+    def one_step_on_data(data):
+        with torch.no_grad():
+            return step(data[0])
+
+    return one_step_on_data
+
+
+def _overrides_train_step(trainer):
+    """Whether `trainer`'s class overrides `TorchTrainer.train_step`."""
+    # Imported here: `trainer.py` imports this module.
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return type(trainer).train_step is not TorchTrainer.train_step
+
+
+def train_step_with_detached_predictions(trainer):
+    """`TorchTrainer.train_step` for `trainer`, with `y_pred` detached
+    before backward and backward run outside Dynamo.
+
+    This copies upstream's `train_step` (see `UPSTREAM_TRAIN_STEP_SHA256`)
+    with two lines changed: no narrower edit can change them, since both
+    act on local variables of that one function (`y_pred` between the loss
+    and backward, and `loss.backward()`). The computation is upstream's,
+    step for step: the metrics read the same predictions, without their
+    autograd history.
+
+    Args:
+        trainer: the `TorchTrainer`.
+
+    Returns:
+        A function of the unpacked batch, as `trainer.train_step`.
+    """
+    backward = torch.compiler.disable(torch.Tensor.backward)
+
+    def train_step(data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        if trainer._call_has_training_arg:
+            y_pred = trainer(x, training=True)
+        else:
+            y_pred = trainer(x)
+        trainer.zero_grad()
+        loss = trainer._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        batch_size = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        trainer._loss_tracker.update_state(loss, sample_weight=batch_size)
+        if trainer.optimizer is not None:
+            loss = trainer.optimizer.scale_loss(loss)
+        y_pred = _pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.detach, y_pred
+        )
+        if trainer.trainable_weights:
+            backward(loss)
+            trainable_weights = trainer.trainable_weights[:]
+            gradients = [v.value.grad for v in trainable_weights]
+            with torch.no_grad():
+                trainer.optimizer.apply(gradients, trainable_weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return trainer.compute_metrics(
+            x, y, y_pred, sample_weight=sample_weight
+        )
+
+    return train_step
+
+
+def compile_step_function(step_fn):
+    """Compiles `step_fn` with `distributed_step_backend`, static shapes.
+
+    Args:
+        step_fn: a function of the batch.
+
+    Returns:
+        The compiled function.
+    """
+    return torch.compile(
+        step_fn, backend=distributed_step_backend, dynamic=False
+    )
+
+
+def distributed_step_backend(graph_module, example_inputs):
+    """The `torch.compile` backend of steps under a distribution.
+
+    Inductor (upstream's default) without the AOT autograd cache, after
+    `clone_aliased_dtensor_outputs`, with the outputs of each call tied by
+    `tie_differentiable_dtensor_outputs`.
+
+    Args:
+        graph_module: the Dynamo graph.
+        example_inputs: its example inputs.
+
+    Returns:
+        The compiled function of the graph's inputs.
+    """
+    from torch._dynamo.backends.registry import lookup_backend
+
+    clone_aliased_dtensor_outputs(graph_module)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = lookup_backend("inductor")(graph_module, example_inputs)
+
+    def run_compiled(*args):
+        return tie_differentiable_dtensor_outputs(compiled(*args))
+
+    return run_compiled
+
+
+def _storage_of(node):
+    """The storage behind a graph node's example value (a DTensor's local
+    tensor), or None for non-tensors."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = node.meta.get("example_value")
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    if not isinstance(value, torch.Tensor):
+        return None
+    return StorageWeakRef(value.untyped_storage())
+
+
+def _fake_clone(value):
+    """Clones a graph's example DTensor in its fake tensor mode."""
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+    with maybe_get_fake_mode(value._local_tensor):
+        return value.clone()
+
+
+def _storage_users(graph, outputs):
+    """How many inputs and computed outputs of `graph` use each storage."""
+    users = {}
+    nodes = [n for n in graph.nodes if n.op == "placeholder"] + [
+        n
+        for n in outputs
+        if isinstance(n, torch.fx.Node) and n.op != "placeholder"
+    ]
+    for node in nodes:
+        storage = _storage_of(node)
+        if storage is not None:
+            users[storage] = users.get(storage, 0) + 1
+    return users
+
+
+def _is_aliased_dtensor(node, users):
+    """Whether an output node is a computed DTensor sharing its storage."""
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op != "placeholder"
+        and isinstance(node.meta.get("example_value"), DTensor)
+        and users.get(_storage_of(node), 0) >= 2
+    )
+
+
+def clone_aliased_dtensor_outputs(graph_module):
+    """Makes every DTensor output of a Dynamo graph own its storage.
+
+    An output that shares storage with another output or with an input
+    (and is not that input itself) is replaced by its clone.
+
+    Args:
+        graph_module: the Dynamo graph, changed in place.
+
+    Returns:
+        The indices of the outputs replaced.
+    """
+    graph = graph_module.graph
+    output_node = graph.output_node()
+    outputs = list(output_node.args[0])
+    users = _storage_users(graph, outputs)
+    replaced = []
+    for index, node in enumerate(outputs):
+        if not _is_aliased_dtensor(node, users):
+            continue
+        with graph.inserting_before(output_node):
+            clone = graph.call_method("clone", (node,))
+        clone.meta = dict(node.meta)
+        clone.meta["example_value"] = _fake_clone(node.meta["example_value"])
+        outputs[index] = clone
+        replaced.append(index)
+    if replaced:
+        output_node.args = (type(output_node.args[0])(outputs),)
+        graph.lint()
+        graph_module.recompile()
+    return replaced
+
+
+def _dtensor_metadata(value):
+    """What `_zero_like_dtensor` needs to rebuild a DTensor like `value`."""
+    return (
+        value.device_mesh,
+        value.placements,
+        value.shape,
+        value.stride(),
+        value._local_tensor.shape,
+        value.dtype,
+        value.device,
+    )
+
+
+def _zero_like_dtensor(metadata):
+    """A zero DTensor with the metadata `_dtensor_metadata` kept."""
+    mesh, placements, shape, stride, local_shape, dtype, device = metadata
+    return DTensor.from_local(
+        torch.zeros(local_shape, dtype=dtype, device=device),
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=stride,
+    )
+
+
+class _TieDifferentiableOutputs(torch.autograd.Function):
+    """Identity on DTensors; a missing gradient becomes a zero DTensor."""
+
+    @staticmethod
+    def forward(ctx, *outputs):
+        ctx.set_materialize_grads(False)
+        ctx.output_metadata = [_dtensor_metadata(o) for o in outputs]
+        return tuple(output.view_as(output) for output in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(
+            _zero_like_dtensor(metadata) if grad is None else grad
+            for grad, metadata in zip(grads, ctx.output_metadata)
+        )
+
+
+def tie_differentiable_dtensor_outputs(outputs):
+    """Passes a compiled graph's differentiable DTensor outputs through one
+    autograd node.
+
+    Backward then reaches the compiled graph through that node, which gives
+    every output that backward did not reach a zero DTensor gradient,
+    where autograd would pass the compiled backward a plain zero tensor
+    (pytorch#172556).
+
+    Args:
+        outputs: the outputs of a compiled graph (a tuple or list).
+
+    Returns:
+        `outputs`, with its differentiable DTensors replaced by tied views
+        when there are at least two; other outputs as they are.
+    """
+    positions = [
+        i
+        for i, output in enumerate(outputs)
+        if isinstance(output, DTensor) and output.requires_grad
+    ]
+    if len(positions) < 2:
+        return outputs
+    tied = _TieDifferentiableOutputs.apply(*(outputs[i] for i in positions))
+    result = list(outputs)
+    for i, output in zip(positions, tied):
+        result[i] = output
+    return tuple(result) if isinstance(outputs, tuple) else result

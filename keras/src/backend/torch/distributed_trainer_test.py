@@ -1,0 +1,301 @@
+"""Single-process tests of `distributed_trainer`.
+
+A one-process mesh makes every value a DTensor, as on many processes.
+Compiling with inductor takes minutes on CPU, so these tests stand in
+`aot_eager` for it: AOT autograd (where DTensor's missing tangents and
+aliased outputs fail) runs as with inductor. Multi-process runs with
+inductor are in `integration_tests/jit_compile_test.py`.
+"""
+
+import hashlib
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.backends import registry
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import distribute_tensor
+
+import keras
+from keras.src.backend.torch import distributed_trainer
+from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch.trainer import TorchTrainer
+
+STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
+
+
+@pytest.fixture
+def distribution():
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    keras.distribution.set_distribution(distribution)
+    yield distribution
+    keras.distribution.set_distribution(None)
+
+
+@pytest.fixture
+def inductor_calls(monkeypatch):
+    """Replaces inductor by `aot_eager`; records the AOT autograd cache
+    setting of each call."""
+    calls = []
+    upstream_lookup = registry.lookup_backend
+
+    def aot_eager(graph_module, example_inputs):
+        calls.append(torch._functorch.config.enable_autograd_cache)
+        return upstream_lookup("aot_eager")(graph_module, example_inputs)
+
+    monkeypatch.setattr(
+        registry,
+        "lookup_backend",
+        lambda name: aot_eager if name == "inductor" else upstream_lookup(name),
+    )
+    torch._dynamo.reset()
+    yield calls
+    torch._dynamo.reset()
+
+
+def make_model(jit_compile, train_step=None):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    if train_step is None:
+        model = keras.Model(inputs, outputs)
+    else:
+        model_class = type("OwnStepModel", (keras.Model,), {})
+        model_class.train_step = train_step
+        model = model_class(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def make_step_functions(model):
+    for attribute in STEP_FUNCTIONS:
+        getattr(model, f"make_{attribute}")()
+    return [getattr(model, attribute) for attribute in STEP_FUNCTIONS]
+
+
+def is_compiled_for_distribution(function):
+    return (
+        isinstance(function, distributed_trainer.DistributedStepFunction)
+        and function.compiled_for_distribution
+    )
+
+
+def test_upstream_train_step_is_the_copied_one():
+    source = inspect.getsource(TorchTrainer.train_step)
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    assert digest == distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256, (
+        "The installed keras changed `TorchTrainer.train_step`. Re-sync "
+        "its copy, `distributed_trainer.train_step_with_detached_"
+        "predictions`, with it (keeping `y_pred` detached before backward "
+        "and backward called through `torch.compiler.disable`), then set "
+        f"`UPSTREAM_TRAIN_STEP_SHA256` to {digest!r}."
+    )
+
+
+def test_without_distribution_step_functions_are_upstream():
+    for function in make_step_functions(make_model(jit_compile=True)):
+        assert isinstance(function, distributed_trainer.DistributedStepFunction)
+        assert not function.compiled_for_distribution
+
+
+def test_eager_steps_under_distribution_are_not_compiled(distribution):
+    for function in make_step_functions(make_model(jit_compile=False)):
+        assert isinstance(function, distributed_trainer.DistributedStepFunction)
+        assert not is_compiled_for_distribution(function)
+
+
+def test_jit_steps_under_distribution_are_compiled_once(distribution):
+    model = make_model(jit_compile=True)
+    functions = make_step_functions(model)
+    assert all(is_compiled_for_distribution(f) for f in functions)
+    assert make_step_functions(model) == functions
+    model.make_train_function(force=True)
+    assert model.train_function is not functions[0]
+    assert is_compiled_for_distribution(model.train_function)
+
+
+def test_step_built_without_the_distribution_is_compiled_under_it():
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    with distribution.scope():
+        model = make_model(jit_compile=True)
+    model.make_train_function()
+    before = model.train_function
+    assert not is_compiled_for_distribution(before)
+    keras.distribution.set_distribution(distribution)
+    try:
+        model.make_train_function()
+    finally:
+        keras.distribution.set_distribution(None)
+    assert is_compiled_for_distribution(model.train_function)
+    # Without the distribution again, the compiled step is kept.
+    model.make_train_function()
+    assert is_compiled_for_distribution(model.train_function)
+
+
+def test_model_built_before_the_distribution_is_refused():
+    model = make_model(jit_compile=True)
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    keras.distribution.set_distribution(distribution)
+    try:
+        for attribute in STEP_FUNCTIONS:
+            with pytest.raises(ValueError, match="was created before"):
+                getattr(model, f"make_{attribute}")()
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_eager_step_distributes_its_batch(distribution):
+    model = make_model(jit_compile=False)
+    seen = []
+    step = distributed_trainer.DistributedStepFunction(seen.append)
+    batch = (np.ones((2, 4), "float32"), np.zeros((2,), "int32"))
+    step((batch,))
+    ((x, y),) = seen[0]
+    assert isinstance(x, DTensor) and isinstance(y, DTensor)
+    assert tuple(x.shape) == (2, 4)
+    model.make_train_function()
+    logs = model.train_function((batch,))
+    assert set(logs) == {"loss", "accuracy"}
+
+
+def test_step_on_data_keeps_a_models_own_train_step(distribution):
+    calls = []
+
+    def own_train_step(self, data):
+        calls.append(data)
+        return {}
+
+    model = make_model(jit_compile=True, train_step=own_train_step)
+    distributed_trainer.step_on_data(model, "train")(("batch",))
+    assert calls == ["batch"]
+
+
+def test_detached_train_step_matches_upstream(distribution):
+    x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
+    y = np.arange(8) % 3
+    results = []
+    for detached in (False, True):
+        model = make_model(jit_compile=False)
+        if detached:
+            step = distributed_trainer.train_step_with_detached_predictions(
+                model
+            )
+        else:
+            step = model.train_step
+        data = distribution_lib.distribute_data((x, y), distribution)
+        with distribution_lib.replicate_created_tensors(
+            distribution.device_mesh
+        ):
+            logs = step(data)
+        logs = {k: keras.ops.convert_to_numpy(v) for k, v in logs.items()}
+        results.append((logs, model.get_weights()))
+    (logs, weights), (detached_logs, detached_weights) = results
+    assert set(logs) == set(detached_logs) == {"loss", "accuracy"}
+    for name, value in logs.items():
+        np.testing.assert_array_equal(detached_logs[name], value)
+    assert len(weights) == len(detached_weights) == 4
+    for weight, detached_weight in zip(weights, detached_weights):
+        np.testing.assert_array_equal(weight, detached_weight)
+
+
+def capture_graphs(graphs):
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend
+
+
+def test_aliased_dtensor_outputs_are_cloned(distribution):
+    mesh = distribution.device_mesh.backend_mesh
+    x = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
+
+    def f(x):
+        y = x + 1
+        return y, y.t(), x.view(-1), x * 2
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(f, backend=capture_graphs(graphs), dynamic=False)(x)
+    (graph_module,) = graphs
+    # `y` and its transpose share storage, `x.view` shares the input's.
+    replaced = distributed_trainer.clone_aliased_dtensor_outputs(graph_module)
+    assert replaced == [0, 1, 2]
+    outputs = graph_module(x)
+    storages = [o.to_local().untyped_storage().data_ptr() for o in outputs]
+    storages.append(x.to_local().untyped_storage().data_ptr())
+    assert len(set(storages)) == len(storages)
+    for output, expected in zip(outputs, f(x)):
+        assert isinstance(output, DTensor)
+        np.testing.assert_array_equal(
+            output.full_tensor().numpy(), expected.full_tensor().numpy()
+        )
+    assert distributed_trainer.clone_aliased_dtensor_outputs(graph_module) == []
+
+
+def test_backend_runs_inductor_without_the_autograd_cache(
+    distribution, inductor_calls
+):
+    mesh = distribution.device_mesh.backend_mesh
+    x = distribute_tensor(torch.ones(2, 3), mesh, [Replicate()])
+
+    def f(x):
+        y = x * 3
+        return y, y.t()
+
+    compiled = distributed_trainer.compile_step_function(f)
+    y, y_t = compiled(x)
+    assert inductor_calls == [False]
+    assert torch._functorch.config.enable_autograd_cache is not False
+    np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
+
+
+def test_output_that_backward_does_not_reach_gets_a_zero_tangent(
+    distribution, inductor_calls
+):
+    mesh = distribution.device_mesh.backend_mesh
+    weight = torch.nn.Parameter(
+        distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
+    )
+
+    def f(weight):
+        scaled = weight * 3
+        return scaled.sum(), scaled.tanh()
+
+    compiled = distributed_trainer.compile_step_function(f)
+    loss, unused = compiled(weight)
+    assert unused.requires_grad
+    # Backward from one of two differentiable outputs, as a train step
+    # does from the loss while its predictions go to the metrics.
+    loss.backward()
+    assert isinstance(weight.grad, DTensor)
+    np.testing.assert_array_equal(
+        weight.grad.full_tensor().numpy(), np.full((2, 3), 3.0)
+    )
+
+
+def test_compiled_train_step_trains_as_the_eager_one(
+    distribution, inductor_calls
+):
+    x = np.random.RandomState(1).normal(size=(8, 4)).astype("float32")
+    y = np.arange(8) % 3
+    histories = []
+    for jit_compile in (False, True):
+        model = make_model(jit_compile=jit_compile)
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        histories.append((history.history["loss"], model.get_weights()))
+    assert is_compiled_for_distribution(model.train_function)
+    assert inductor_calls, "the compiled step did not use the backend"
+    (eager_loss, eager_weights), (jit_loss, jit_weights) = histories
+    np.testing.assert_allclose(jit_loss, eager_loss, rtol=1e-6)
+    assert len(eager_weights) == len(jit_weights) == 4
+    for eager, jit in zip(eager_weights, jit_weights):
+        np.testing.assert_allclose(jit, eager, rtol=1e-5, atol=1e-6)
