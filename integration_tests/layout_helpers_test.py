@@ -236,6 +236,67 @@ def test_losses_match_a_single_process_run(reports):
         assert report["losses"] == reports[0]["losses"]
 
 
+REMAT_MODES = ("single", "dp", "tp", "2d")
+# Parity tolerance, relative; absolute, times the largest gradient of the
+# model (the key biases' gradients are zero up to rounding: softmax does
+# not change when every score of a query moves alike).
+REMAT_RTOL = 1e-5
+
+
+def gradients_of(report, prefix):
+    start = f"{prefix}gradients/"
+    return {
+        key[len(start) :]: np.asarray(value)
+        for key, value in report.items()
+        if key.startswith(start)
+    }
+
+
+def test_remat_recomputes_every_block_in_backward(reports):
+    steps = len(reports[0]["reference_losses"])
+    for report in reports:
+        # Without remat, no block runs during backward...
+        assert report["reference_backward_calls"] == 0
+        assert report["backward_calls"] == 0
+        # ...with it, each block once per step, on every rank alike.
+        for mode in REMAT_MODES:
+            assert report[f"remat/{mode}/paths"] == ["block_0", "block_1"]
+            assert report[f"remat/{mode}/backward_calls"] == 2 * steps
+
+
+@pytest.mark.parametrize("mode", REMAT_MODES)
+def test_remat_losses_and_gradients_match_one_process(reports, mode):
+    reference_losses = reports[0]["reference_losses"]
+    reference = gradients_of(reports[0], "reference_")
+    assert len(reference) == 35
+    without_remat = gradients_of(reports[0], "")
+    atol = REMAT_RTOL * max(float(np.abs(g).max()) for g in reference.values())
+    for report in reports:
+        losses = report[f"remat/{mode}/losses"]
+        assert len(losses) == len(reference_losses)
+        np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+        assert losses == reports[0][f"remat/{mode}/losses"]
+        gradients = gradients_of(report, f"remat/{mode}/")
+        assert sorted(gradients) == sorted(reference)
+        for path, expected in reference.items():
+            np.testing.assert_allclose(
+                gradients[path],
+                expected,
+                rtol=REMAT_RTOL,
+                atol=atol,
+                err_msg=f"{mode} {path}",
+            )
+            if mode == "2d":
+                # The same layouts without remat: the same gradients.
+                np.testing.assert_allclose(
+                    gradients[path],
+                    without_remat[path],
+                    rtol=REMAT_RTOL,
+                    atol=atol,
+                    err_msg=f"{mode} {path}",
+                )
+
+
 def test_optimizer_slots_take_their_variables_layouts(reports):
     for report in reports:
         slots = report["slot_placements"]

@@ -10,7 +10,11 @@ Under torchrun, every rank first trains the model without a distribution
 (the single-process reference), then builds the same model abstractly,
 lays it out only with `tensor_parallel_layouts`, `fully_sharded_layouts`
 and `merge_layouts`, trains it on the mesh and reports placements, local
-shapes, per-rank parameter bytes, initial weights and losses.
+shapes, per-rank parameter bytes, initial weights, losses and the last
+step's gradients. Then every block is recomputed in backward
+(`remat_layers`) in a single-process run, under DataParallel, under tensor
+parallelism alone (a (1, N) mesh) and under the same 2-D layouts; each
+reports its losses, gradients and the blocks' calls during backward.
 """
 
 import json
@@ -25,6 +29,11 @@ import keras_dtensor as kd
 SEED = 1234
 VOCAB, SEQ, HIDDEN, HEADS, BLOCKS, BATCH, STEPS = 64, 8, 32, 4, 2, 8, 3
 MIN_SIZE = 256
+REMAT_PATTERN = r"block_\d+"
+
+# Calls of `TransformerBlock.call` while autograd's backward pass runs
+# (recomputations).
+BACKWARD_CALLS = [0]
 
 
 class TransformerBlock(keras.layers.Layer):
@@ -43,12 +52,23 @@ class TransformerBlock(keras.layers.Layer):
         self.ln_2 = keras.layers.LayerNormalization(name="ln_2")
 
     def call(self, x):
+        if torch_in_backward():
+            BACKWARD_CALLS[0] += 1
         # The attention scores path (einsum and softmax) rather than fused
         # SDPA: DTensor has no sharding rule for the backward of the CPU
         # flash-attention kernel.
         attended, _ = self.attention(x, x, return_attention_scores=True)
         x = self.ln_1(x + attended)
         return self.ln_2(x + self.ffn_out(self.ffn_in(x)))
+
+
+def torch_in_backward():
+    """Whether torch's autograd engine is running a backward pass."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
 
 
 def build_model():
@@ -68,11 +88,17 @@ PLAN = {
 }
 
 
+def tensor_parallel_plan():
+    """`PLAN` with its styles on the "model" axis."""
+    styles = {"column": kd.column_parallel, "row": kd.row_parallel}
+    return {key: styles[style]("model") for key, style in PLAN.items()}
+
+
 def layout_map_for(model, mesh):
     """The helper calls under test: a TP plan, then FSDP on top."""
-    styles = {"column": kd.column_parallel, "row": kd.row_parallel}
-    plan = {key: styles[style]("model") for key, style in PLAN.items()}
-    tensor_parallel = kd.tensor_parallel_layouts(model, mesh, plan)
+    tensor_parallel = kd.tensor_parallel_layouts(
+        model, mesh, tensor_parallel_plan()
+    )
     fully_sharded = kd.fully_sharded_layouts(
         model, mesh, "fsdp", min_size=MIN_SIZE, layout_map=tensor_parallel
     )
@@ -166,6 +192,56 @@ def print_layouts(mesh_shape, apply):
     print(json.dumps(result))
 
 
+def record_training(prefix, model):
+    """Trains `model`; records its losses, last gradients, backward calls.
+
+    The gradients are those of the last training step, gathered in full
+    on every process (the same collectives, in the same order, on each).
+    """
+    from worker_utils import record
+
+    BACKWARD_CALLS[0] = 0
+    record(f"{prefix}losses", compile_and_fit(model))
+    record(f"{prefix}backward_calls", BACKWARD_CALLS[0])
+    for variable in model.trainable_weights:
+        gradient = keras.ops.convert_to_numpy(variable.value.grad)
+        record(f"{prefix}gradients/{variable.path}", gradient)
+
+
+def run_remat(mode, mesh_shape):
+    """Trains the model with every block recomputed under `mode`."""
+    devices = keras.distribution.list_devices()
+    keras.utils.set_random_seed(SEED)
+    if mode == "single":
+        keras.distribution.set_distribution(None)
+        model = build_model()
+    elif mode == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+        model = build_model()
+    else:
+        shape = (1, len(devices)) if mode == "tp" else mesh_shape
+        mesh = keras.distribution.DeviceMesh(shape, ("fsdp", "model"), devices)
+        with keras.StatelessScope():
+            model = build_model()
+            if mode == "tp":
+                layout_map = kd.tensor_parallel_layouts(
+                    model, mesh, tensor_parallel_plan()
+                )
+            else:
+                layout_map = layout_map_for(model, mesh)
+            keras.distribution.set_distribution(
+                keras.distribution.ModelParallel(layout_map=layout_map)
+            )
+    paths = kd.remat_layers(model, REMAT_PATTERN)
+    from worker_utils import record
+
+    record(f"remat/{mode}/paths", paths)
+    record_training(f"remat/{mode}/", model)
+    keras.distribution.set_distribution(None)
+
+
 def run_distributed(mesh_shape):
     import worker_utils
     from worker_utils import record
@@ -176,7 +252,7 @@ def run_distributed(mesh_shape):
     keras.utils.set_random_seed(SEED)
     reference = build_model()
     initial = {v.path: keras.ops.convert_to_numpy(v) for v in reference.weights}
-    record("reference_losses", compile_and_fit(reference))
+    record_training("reference_", reference)
 
     # The same model, laid out only by the helpers, built abstractly.
     keras.utils.set_random_seed(SEED)
@@ -205,7 +281,7 @@ def run_distributed(mesh_shape):
         record(f"full/{path}", initial[path])
         record(f"gathered/{path}", keras.ops.convert_to_numpy(variable))
     record("local_parameter_bytes", local_bytes)
-    record("losses", compile_and_fit(model))
+    record_training("", model)
     record(
         "slot_placements",
         {
@@ -214,6 +290,9 @@ def run_distributed(mesh_shape):
             if len(v.shape) > 0
         },
     )
+    keras.distribution.set_distribution(None)
+    for mode in ("single", "dp", "tp", "2d"):
+        run_remat(mode, mesh_shape)
     worker_utils.report()
 
 
