@@ -152,14 +152,14 @@ def function_mode_disabled():
     Only the `TorchFunctionMode` is replaced; `replicate_created_tensors`
     itself (and whatever else it keeps track of) runs as usual.
     """
-    from keras.src.backend.torch import distribution_lib
+    from keras.src.backend.torch import created_tensors
 
-    upstream = distribution_lib._ReplicateCreatedTensors
-    distribution_lib._ReplicateCreatedTensors = _NoFunctionMode
+    upstream = created_tensors._ReplicateCreatedTensors
+    created_tensors._ReplicateCreatedTensors = _NoFunctionMode
     try:
         yield
     finally:
-        distribution_lib._ReplicateCreatedTensors = upstream
+        created_tensors._ReplicateCreatedTensors = upstream
 
 
 def _profile_calls(step):

@@ -14,6 +14,7 @@ import math
 import re
 
 from keras.src.distribution import layout_composition
+from keras.src.distribution import layout_validation
 
 DEFAULT_MIN_SIZE = 2**14
 
@@ -80,7 +81,7 @@ def fully_sharded_layouts(
             base layout does not fit its variable.
     """
     device_mesh = _resolve_mesh(device_mesh, layout_map)
-    sizes = layout_composition.mesh_axis_sizes(device_mesh)
+    sizes = layout_validation.mesh_axis_sizes(device_mesh)
     if axis not in sizes:
         raise ValueError(
             f"Axis {axis!r} is not an axis of the mesh {device_mesh}. "
@@ -96,7 +97,7 @@ def fully_sharded_layouts(
         if layout_map is not None:
             base = layout_composition.resolve_layout(layout_map, path, shape)
         if base is not None:
-            layout_composition.check_layout(path, shape, base, device_mesh)
+            layout_validation.check_layout(path, shape, base, device_mesh)
         axes, reason = sharded_axes(
             path, shape, base, axis, sizes, min_size, include, exclude
         )
@@ -137,7 +138,7 @@ def sharded_axes(path, shape, base, axis, sizes, min_size, include, exclude):
     used = {
         name
         for entry in axes
-        for name in layout_composition.axis_names_of(entry)
+        for name in layout_validation.axis_names_of(entry)
     }
     if include is not None and not _matches(include, path):
         return unchanged, "not sharded: no include pattern matches"
@@ -154,7 +155,7 @@ def sharded_axes(path, shape, base, axis, sizes, min_size, include, exclude):
         )
     by_size = sorted(range(len(shape)), key=lambda dim: (-shape[dim], dim))
     for dim in by_size:
-        names = layout_composition.axis_names_of(axes[dim])
+        names = layout_validation.axis_names_of(axes[dim])
         parts = math.prod(sizes[name] for name in names) * sizes[axis]
         if shape[dim] % parts == 0:
             names += (axis,)

@@ -21,6 +21,10 @@ from keras.src.distribution.distribution_lib import DeviceMesh
 from keras.src.distribution.distribution_lib import LayoutMap
 from keras.src.distribution.distribution_lib import TensorLayout
 from keras.src.distribution.distribution_lib import list_devices
+from keras.src.distribution.layout_validation import axis_names_of
+from keras.src.distribution.layout_validation import check_layout
+from keras.src.distribution.layout_validation import mesh_text
+from keras.src.distribution.layout_validation import normalize_axes
 
 
 def make_device_mesh(axis_sizes, devices=None):
@@ -164,118 +168,6 @@ def layer_path(layer):
     return f"{parent}/{layer.name}" if parent else layer.name
 
 
-def normalize_axes(axes):
-    """Returns layout axes as a tuple of `None`, names and name tuples.
-
-    A dimension over one mesh axis is the axis name; over several, a tuple
-    of names (the first is the major one); unsharded, `None`.
-    """
-    if isinstance(axes, TensorLayout):
-        axes = axes.axes
-    normalized = []
-    for entry in axes:
-        if isinstance(entry, (tuple, list)):
-            entry = tuple(entry)
-            if not entry:
-                entry = None
-            elif len(entry) == 1:
-                entry = entry[0]
-        normalized.append(entry)
-    return tuple(normalized)
-
-
-def axis_names_of(entry):
-    """Returns the mesh axis names of one layout entry, as a tuple."""
-    if entry is None:
-        return ()
-    if isinstance(entry, (tuple, list)):
-        return tuple(entry)
-    return (entry,)
-
-
-def mesh_axis_sizes(device_mesh):
-    """Returns a dict from mesh axis name to its size."""
-    return dict(zip(device_mesh.axis_names, device_mesh.shape))
-
-
-def layout_error(path, shape, axes, device_mesh, reason, kind="variable"):
-    """Formats the message of an invalid layout.
-
-    Args:
-        path: the variable path or layout key.
-        shape: the variable shape, or `None` for a tensor of unknown shape.
-        axes: the layout axes.
-        device_mesh: the `DeviceMesh`.
-        reason: what is wrong, naming the offending axis.
-        kind: `"variable"` or `"tensor"`.
-
-    Returns:
-        The message (str).
-    """
-    shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
-    return (
-        f"Invalid layout for {kind} '{path}'{shape_text}: layout axes "
-        f"{tuple(axes)} on mesh {_mesh_text(device_mesh)}: {reason}."
-    )
-
-
-def check_layout(path, shape, axes, device_mesh, kind="variable"):
-    """Checks one layout against a shape and a mesh.
-
-    Every axis must be a mesh axis used at most once; with a known shape,
-    the rank must match and each sharded dimension must divide by the
-    product of its mesh axis sizes.
-
-    Args:
-        path: the variable path or layout key, for the message.
-        shape: the shape, or `None` when unknown (layer outputs).
-        axes: the layout axes.
-        device_mesh: the `DeviceMesh`.
-        kind: `"variable"` or `"tensor"`, for the message.
-
-    Raises:
-        ValueError: naming the path, shape, axes, mesh and offending axis.
-    """
-    axes = normalize_axes(axes)
-    sizes = mesh_axis_sizes(device_mesh)
-
-    def fail(reason):
-        raise ValueError(
-            layout_error(path, shape, axes, device_mesh, reason, kind)
-        )
-
-    if shape is not None and len(axes) != len(shape):
-        fail(
-            f"the layout has {len(axes)} axes but the {kind} has rank "
-            f"{len(shape)}"
-        )
-    used = {}
-    for dim, entry in enumerate(axes):
-        for name in axis_names_of(entry):
-            if name not in sizes:
-                fail(
-                    f"axis {name!r} is not a mesh axis; the mesh axes are "
-                    f"{tuple(device_mesh.axis_names)}"
-                )
-            if name in used:
-                fail(
-                    f"axis {name!r} shards both dimension {used[name]} and "
-                    f"dimension {dim}; a mesh axis may shard one dimension"
-                )
-            used[name] = dim
-    if shape is None:
-        return
-    for dim, entry in enumerate(axes):
-        names = axis_names_of(entry)
-        parts = math.prod(sizes[name] for name in names)
-        if names and shape[dim] % parts:
-            fail(
-                f"dimension {dim} of size {shape[dim]} is not divisible by "
-                f"{parts}, the size of mesh axis "
-                f"{' x '.join(repr(n) for n in names)}"
-            )
-
-
 def matching_keys(layout_map, path):
     """Returns the keys of `layout_map` that `LayoutMap` would use for `path`.
 
@@ -303,7 +195,7 @@ def resolve_layout(layout_map, path, shape=None, kind="variable"):
         )
         raise ValueError(
             f"Conflicting layout keys for {kind} '{path}'{shape_text} on "
-            f"mesh {_mesh_text(layout_map.device_mesh)}: it matches "
+            f"mesh {mesh_text(layout_map.device_mesh)}: it matches "
             f"{matches}. Each path may match at most one key."
         )
     if not keys:
@@ -478,8 +370,8 @@ def merge_layouts(model, *layout_maps):
         if not same_mesh(layout_map.device_mesh, device_mesh):
             raise ValueError(
                 "All LayoutMaps must use the same mesh. Received meshes "
-                f"{_mesh_text(device_mesh)} and "
-                f"{_mesh_text(layout_map.device_mesh)}."
+                f"{mesh_text(device_mesh)} and "
+                f"{mesh_text(layout_map.device_mesh)}."
             )
     shapes = variable_shapes(model)
     entries = {}
@@ -536,13 +428,6 @@ def _merged_axes(path, shape, axes, other, device_mesh, kind="variable"):
     shape_text = f" with shape {tuple(shape)}" if shape is not None else ""
     raise ValueError(
         f"Conflicting layouts for {kind} '{path}'{shape_text} on mesh "
-        f"{_mesh_text(device_mesh)}: layout axes {axes} and {other} split "
+        f"{mesh_text(device_mesh)}: layout axes {axes} and {other} split "
         "a dimension differently, so they cannot be merged."
     )
-
-
-def _mesh_text(device_mesh):
-    if device_mesh is None:
-        return "None"
-    shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
-    return f"DeviceMesh({shape})"

@@ -5,15 +5,11 @@ building a torch mesh needs the processes to exist, so values on real
 multi-process meshes are tested in `integration_tests/foundation_test.py`.
 """
 
-from unittest import mock
-
 import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import backend
 from keras.src import layers
@@ -64,128 +60,12 @@ class DevicesTest(testing.TestCase):
             ):
                 call("gpu")
 
-    def test_local_rank_without_a_device_is_named(self):
-        with mock.patch.object(torch.cuda, "device_count", return_value=1):
-            with mock.patch.dict("os.environ", {"LOCAL_RANK": "1"}):
-                with self.assertRaisesRegex(
-                    ValueError,
-                    r"LOCAL_RANK=1 \(rank 1\) has no CUDA device: 1 "
-                    r"device\(s\) are visible.*--nproc_per_node=1",
-                ):
-                    distribution_lib._local_cuda_device(1)
-            with mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}):
-                self.assertEqual(distribution_lib._local_cuda_device(1), 0)
-
     def test_to_backend_device(self):
         self.assertEqual(
             distribution_lib._to_backend_device("cpu:3"), torch.device("cpu")
         )
         with self.assertRaisesRegex(ValueError, "Device not found"):
             distribution_lib._to_backend_device("abc:1")
-
-
-class PlacementsTest(testing.TestCase):
-    def test_one_axis(self):
-        mesh = mesh_of((2, 4), ("batch", "model"))
-        placements = distribution_lib._axes_to_placements((None, "model"), mesh)
-        self.assertEqual(placements, (Replicate(), Shard(1)))
-        placements = distribution_lib._axes_to_placements(
-            ("batch", "model"), mesh
-        )
-        self.assertEqual(placements, (Shard(0), Shard(1)))
-        placements = distribution_lib._axes_to_placements((None, None), mesh)
-        self.assertEqual(placements, (Replicate(), Replicate()))
-
-    def test_dimension_over_two_axes_in_mesh_order(self):
-        mesh = mesh_of((2, 4), ("batch", "model"))
-        placements = distribution_lib._axes_to_placements(
-            (("batch", "model"), None), mesh
-        )
-        self.assertEqual(placements, (Shard(0), Shard(0)))
-
-    def test_dimension_over_two_axes_against_mesh_order(self):
-        mesh = mesh_of((2, 4), ("batch", "model"))
-        placements = distribution_lib._axes_to_placements(
-            (None, ("model", "batch")), mesh
-        )
-        # `model` is the major axis: `batch` splits within each model chunk.
-        self.assertEqual(
-            placements, (_StridedShard(1, split_factor=4), Shard(1))
-        )
-
-    def test_three_axes(self):
-        mesh = mesh_of((2, 3, 2), ("a", "b", "c"))
-        placements = distribution_lib._axes_to_placements(
-            (("c", "a", "b"),), mesh
-        )
-        self.assertEqual(
-            placements,
-            (
-                _StridedShard(0, split_factor=2),
-                _StridedShard(0, split_factor=2),
-                Shard(0),
-            ),
-        )
-
-    def test_unknown_axis(self):
-        mesh = mesh_of((2,), ("model",))
-        with self.assertRaisesRegex(ValueError, "'data' is not a mesh axis"):
-            distribution_lib._axes_to_placements(("data", None), mesh)
-
-    def test_axis_used_twice(self):
-        mesh = mesh_of((2, 2), ("batch", "model"))
-        with self.assertRaisesRegex(ValueError, "'model' shards both"):
-            distribution_lib._axes_to_placements(("model", "model"), mesh)
-        with self.assertRaisesRegex(ValueError, "'batch' shards both"):
-            distribution_lib._axes_to_placements(
-                (("batch", "model"), "batch"), mesh
-            )
-
-    def test_tensor_layout_accepts_multi_axis_entries(self):
-        mesh = mesh_of((2, 2), ("batch", "model"))
-        layout = distribution_api.TensorLayout((("batch", "model"), None), mesh)
-        self.assertEqual(layout.axes, (("batch", "model"), None))
-        with self.assertRaisesRegex(ValueError, "Invalid axis names"):
-            distribution_api.TensorLayout((("batch", "nope"), None), mesh)
-
-
-class ValidateLayoutTest(testing.TestCase):
-    def test_rank_mismatch_names_everything(self):
-        mesh = mesh_of((2,), ("model",))
-        with self.assertRaises(ValueError) as context:
-            distribution_lib.validate_layout(
-                (4, 4), layout_of(("model",), mesh), path="dense/kernel"
-            )
-        message = str(context.exception)
-        for part in ("'dense/kernel'", "(4, 4)", "('model',)", "shape=(2,)"):
-            self.assertIn(part, message)
-        self.assertIn("rank 2", message)
-
-    def test_indivisible_names_the_axis(self):
-        mesh = mesh_of((2, 3), ("batch", "model"))
-        with self.assertRaises(ValueError) as context:
-            distribution_lib.validate_layout(
-                (4, 8), layout_of((None, "model"), mesh), path="d/kernel"
-            )
-        message = str(context.exception)
-        for part in ("'d/kernel'", "(4, 8)", "dimension 1", "'model'", "3"):
-            self.assertIn(part, message)
-
-    def test_indivisible_over_two_axes(self):
-        mesh = mesh_of((2, 3), ("batch", "model"))
-        layout = layout_of((("batch", "model"), None), mesh)
-        distribution_lib.validate_layout((12, 1), layout, path="ok")
-        with self.assertRaisesRegex(ValueError, "'batch' x 'model'"):
-            distribution_lib.validate_layout((8, 1), layout, path="bad")
-
-    def test_uneven_allowed_for_data(self):
-        mesh = mesh_of((2,), ("batch",))
-        layout = layout_of(("batch", None), mesh)
-        distribution_lib.validate_layout(
-            (5, 3), layout, require_divisible=False
-        )
-        with self.assertRaisesRegex(ValueError, "not divisible"):
-            distribution_lib.validate_layout((5, 3), layout)
 
 
 class LayoutMapTest(testing.TestCase):
@@ -380,76 +260,3 @@ class SingleProcessDistributionTest(testing.TestCase):
         self.assertAllClose(distribution_lib.all_gather(value), value)
         with self.assertRaisesRegex(ValueError, "Unsupported reduction"):
             distribution_lib.all_reduce(np.ones(2), op="prod")
-
-
-class ReplicateCreatedTensorsTest(testing.TestCase):
-    """Tensors made from Python values inside a step are replicated."""
-
-    def setUp(self):
-        super().setUp()
-        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
-        self.backend_mesh = self.mesh.backend_mesh
-
-    def test_factories_make_replicated_dtensors(self):
-        with distribution_lib.replicate_created_tensors(self.mesh):
-            positions = torch.arange(6)
-            constants = torch.as_tensor(np.ones((2, 3), dtype="float32"))
-            scalar = torch.tensor(2.0)
-            broadcast = torch.broadcast_to(scalar, (2, 3))
-            meta = torch.ones(3, device="meta")
-        for value in (positions, constants, scalar, broadcast):
-            self.assertIsInstance(value, DTensor)
-            self.assertEqual(tuple(value.placements), (Replicate(),))
-        self.assertAllClose(positions.to_local().numpy(), np.arange(6))
-        # A scalar counts too, so what is derived from it alone (as
-        # metrics broadcast a missing sample weight) is replicated.
-        self.assertAllClose(broadcast.to_local().numpy(), np.full((2, 3), 2))
-        # Meta tensors (shape inference) hold no values and stay plain.
-        self.assertNotIsInstance(meta, DTensor)
-
-    def test_tensors_from_tensors_stay_plain(self):
-        plain = torch.ones(3)
-        with distribution_lib.replicate_created_tensors(self.mesh):
-            copied = torch.as_tensor(plain)
-            doubled = plain * 2
-        self.assertNotIsInstance(copied, DTensor)
-        self.assertNotIsInstance(doubled, DTensor)
-
-    def test_outside_the_context_nothing_changes(self):
-        self.assertNotIsInstance(torch.arange(6), DTensor)
-
-    def test_random_draws_use_the_given_generator(self):
-        probabilities = torch.full((4, 6), 0.5)
-        expected = torch.bernoulli(
-            probabilities, generator=torch.Generator().manual_seed(5)
-        )
-        with distribution_lib.replicate_created_tensors(self.mesh):
-            drawn = torch.bernoulli(
-                torch.full((4, 6), 0.5),
-                generator=torch.Generator().manual_seed(5),
-            )
-        self.assertIsInstance(drawn, DTensor)
-        self.assertAllClose(drawn.to_local().numpy(), expected.numpy())
-
-    def test_dropout_mask_equals_the_plain_one(self):
-        x = torch.ones(8, 5)
-        torch.manual_seed(3)
-        expected = torch.nn.functional.dropout(x, p=0.4, training=True)
-        inputs = DTensor.from_local(
-            x, self.backend_mesh, [Shard(0)], run_check=False
-        )
-        torch.manual_seed(3)
-        with distribution_lib.replicate_created_tensors(self.mesh):
-            dropped = torch.nn.functional.dropout(inputs, p=0.4, training=True)
-            kept = torch.nn.functional.dropout(inputs, p=0.4, training=False)
-        self.assertAllClose(dropped.full_tensor().numpy(), expected.numpy())
-        self.assertIs(kept, inputs)
-
-
-@pytest.mark.parametrize(
-    "addresses,num_processes",
-    [("10.0.0.1:1234,10.0.0.2:2345,10.0.0.3:1", 2)],
-)
-def test_job_addresses_must_match_num_processes(addresses, num_processes):
-    with pytest.raises(ValueError, match="has 3 jobs"):
-        distribution_lib._init_process_group(addresses, num_processes, 0)

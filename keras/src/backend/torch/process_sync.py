@@ -20,7 +20,7 @@ import uuid
 
 import torch.distributed as dist
 
-from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch import process_group
 
 SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
 DEFAULT_SYNC_TIMEOUT_SECONDS = 60
@@ -73,7 +73,7 @@ def is_multi_process():
 
 def process_id():
     """Returns the rank of this process (0 without a process group)."""
-    return distribution_lib.process_id()
+    return process_group.process_id()
 
 
 def sync_timeout():
@@ -85,7 +85,7 @@ def sync_timeout():
     seconds = float(
         os.environ.get(SYNC_TIMEOUT_ENV_VAR, DEFAULT_SYNC_TIMEOUT_SECONDS)
     )
-    return min(datetime.timedelta(seconds=seconds), distribution_lib._timeout())
+    return min(datetime.timedelta(seconds=seconds), process_group.timeout())
 
 
 def enter(operation, target=None):
@@ -223,7 +223,7 @@ def _wait_for_outcome(call):
             process group timeout.
     """
     store = _store()
-    timeout = distribution_lib._timeout()
+    timeout = process_group.timeout()
     try:
         store.wait([f"{call.key}/outcome"], timeout)
     except dist.DistStoreError:

@@ -1,10 +1,11 @@
-"""Sharding rules that older torch releases lack, added where they refuse.
+"""Sharding rules that DTensor lacks, or that some torch releases refuse.
 
 DTensor decides how each aten op maps input placements to output
-placements. Some torch releases refuse cases that later releases handle,
-and the refusal surfaces deep inside an ordinary Keras op. The rules here
-fill such gaps without changing what a torch release already handles:
-each one runs torch's own rule first and steps in only where that rule
+placements. Where it has no rule for an op a Keras step runs, or where a
+torch release refuses a case that later releases handle, the refusal
+surfaces deep inside an ordinary Keras op. The rules here fill such gaps
+without changing what a torch release already handles: a rule for an op
+that has one runs torch's own rule first and steps in only where it
 refuses.
 
 - **Flattening a sharded inner dimension (torch < 2.12).** `torch.matmul`
@@ -17,18 +18,50 @@ refuses.
   instead, which first gathers the merged dimension (replicates it) and
   then views. The values are exact; the gathered dimension costs an
   all-gather and its compute is no longer split.
+- **CPU flash attention.** DTensor has rules for the CUDA attention
+  kernels but not for the one `scaled_dot_product_attention` uses on CPU
+  (forward and backward): replicated, split by batch or split by head.
+- **`scatter_reduce`** (Keras's segment reductions, used by `AUC`): none
+  in DTensor; it runs replicated on the small tensors it gets.
+
+`register()` installs every rule; `distribution_lib` calls it when it
+creates its first mesh, before any DTensor op runs.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.experimental import register_sharding
 
 # View ops whose rule refuses to flatten a sharded inner dimension.
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _FLATTEN_REFUSAL = "Attempted to flatten multiple dimensions"
+# Whether `register` ran.
+_REGISTERED = False
 
 
 def register():
     """Installs the rules; idempotent. Called by `distribution_lib`."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    register_sharding(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    )(_cpu_attention_sharding)
+    register_sharding(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    )(_cpu_attention_backward_sharding)
+    register_sharding(torch.ops.aten.scatter_reduce.two)(
+        _scatter_reduce_sharding
+    )
+    _register_view_fallbacks()
+
+
+def _register_view_fallbacks():
+    """`view` rules that take `reshape`'s where torch's refuse to flatten."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     reshape_rule = propagator.op_strategy_funcs[torch.ops.aten.reshape.default]
     for op in _VIEW_OPS:
@@ -59,3 +92,70 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
 
     rule.keras_reshape_fallback = True
     return rule
+
+
+def _cpu_attention_sharding(query, key, value, *args, **kwargs):
+    """Sharding rules of the CPU flash-attention forward.
+
+    DTensor has rules for the CUDA attention kernels but not for the one
+    `scaled_dot_product_attention` uses on CPU. Like its CUDA counterparts,
+    it runs replicated, or split by batch (dim 0) or by head (dim 1), with
+    query, key, value, output and log-sum-exp split the same way.
+    """
+    return _attention_strategies(2, 3, args, kwargs)
+
+
+def _cpu_attention_backward_sharding(
+    grad_out, query, key, value, out, logsumexp, *args, **kwargs
+):
+    """Sharding rules of the CPU flash-attention backward.
+
+    As for the forward: replicated, or every tensor split by batch or by
+    head alike.
+    """
+    return _attention_strategies(3, 6, args, kwargs)
+
+
+def _attention_strategies(num_outputs, num_inputs, args, kwargs):
+    """Replicated, batch-split and head-split attention strategies.
+
+    DTensor does not redistribute keyword arguments, so an attention mask
+    (`attn_mask=`) must already be laid out as a strategy needs: split like
+    the queries where it has a batch or head dimension of its own,
+    replicated where it broadcasts. `_align_attention_mask` lays the inputs
+    out so that the strategy DTensor picks (the one needing no
+    redistribution) is the one the mask was laid out for.
+    """
+    mask = kwargs.get("attn_mask")
+    strategies = []
+    for placement in (Replicate(), Shard(0), Shard(1)):
+        mask_placement = Replicate()
+        if mask is not None and placement.is_shard():
+            if _mask_splits(mask.shape, placement.dim):
+                mask_placement = placement
+        others = [None] * len(args) + [
+            mask_placement if isinstance(v, DTensorSpec) else None
+            for v in kwargs.values()
+        ]
+        strategies.append(
+            ([placement] * num_outputs, [placement] * num_inputs + others)
+        )
+    return strategies
+
+
+def _mask_splits(mask_shape, dim):
+    """Whether an attention mask has dimension `dim` (batch or head)."""
+    return len(mask_shape) == 4 and mask_shape[dim] > 1
+
+
+def _scatter_reduce_sharding(self, dim, index, src, reduce, *args, **kwargs):
+    """Sharding rule of `scatter_reduce`, which DTensor lacks: replicated.
+
+    Keras's segment reductions (used by `AUC`) call it on small tensors.
+    """
+    specs = [Replicate(), None, Replicate(), Replicate(), None]
+    specs += [
+        Replicate() if isinstance(v, DTensorSpec) else None
+        for v in (*args, *kwargs.values())
+    ]
+    return [([Replicate()], specs)]

@@ -1,0 +1,387 @@
+"""Tensors created inside a distributed step, as replicated DTensors.
+
+Inside a distributed step every tensor computed from the inputs and the
+variables is a DTensor; the others are created from Python values alone.
+`replicate_created_tensors` makes those replicated DTensors as they are
+created, with a torch function mode, and works around the DTensor
+limitations a Keras step meets: each torch function with a handler in
+`_HANDLERS` goes to it, and each handler's docstring says which
+limitation it works around and why `implicit_replication` is not enough.
+
+Collectives here: a random draw on a CPU mesh gathers its DTensor
+arguments, and the embedding, attention and lookup handlers redistribute
+DTensors; all run inside the step, on every process alike.
+"""
+
+import contextlib
+import threading
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.overrides import TorchFunctionMode
+
+from keras.src import tree
+
+# Whether `replicate_created_tensors` is active, per thread.
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def replicate_created_tensors(device_mesh):
+    """Makes tensors created inside the context replicated DTensors.
+
+    Inside a distributed step, every tensor computed from the (distributed)
+    inputs and variables is a DTensor. The others are created from Python
+    values alone: masks from `ops.arange`, constants from
+    `convert_to_tensor`, random values from a seed. All processes run the
+    same program with the same seed, so such a tensor is identical on every
+    process; in this context it becomes a DTensor replicated on
+    `device_mesh` as it is created, and meets other DTensors as one.
+
+    Dropout applied to a DTensor draws its mask for the global shape from
+    the (shared) torch generator, so that, as on JAX, processes of one
+    model replica use the same mask and data-parallel shards use different
+    parts of it. DTensor does that itself on meshes whose device has an
+    offset-based generator (CUDA); on CPU it would draw each shard's mask
+    from the same generator state.
+
+    The context does not nest, and is per thread, as torch function modes
+    are.
+
+    Args:
+        device_mesh: the Keras `DeviceMesh` of the distribution.
+    """
+    if replicating_created_tensors():
+        yield
+        return
+    _STATE.active = True
+    try:
+        with _ReplicateCreatedTensors(device_mesh.backend_mesh):
+            yield
+    finally:
+        _STATE.active = False
+
+
+def replicating_created_tensors():
+    """Whether `replicate_created_tensors` is active."""
+    return getattr(_STATE, "active", False)
+
+
+class _ReplicateCreatedTensors(TorchFunctionMode):
+    """The torch function mode of `replicate_created_tensors`.
+
+    Each torch function with a handler in `_HANDLERS` goes to it; every
+    other function is called as it is (`_call`).
+    """
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.replicated = [Replicate()] * mesh.ndim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        handler = _HANDLERS.get(func, _call)
+        return handler(self, func, args, kwargs or {})
+
+    def replicate(self, value):
+        """`value` (the same on every process) as a replicated DTensor."""
+        return DTensor.from_local(
+            value, self.mesh, self.replicated, run_check=False
+        )
+
+    def draws_locally(self, args):
+        """Whether DTensor would draw random values shard by shard.
+
+        DTensor draws globally consistent values only with its offset-based
+        generator (CUDA); otherwise each process draws for its own shard,
+        and DTensor drops a `generator=` argument.
+        """
+        return (
+            bool(args)
+            and isinstance(args[0], DTensor)
+            and args[0].device_mesh.device_type == "cpu"
+        )
+
+    def draw_for_global_shape(self, func, args, kwargs):
+        """Runs a random function on full values, then lays the result out.
+
+        Every process draws the same values for the global shape (with the
+        given generator, if any), and keeps its part of them.
+        """
+        first = args[0]
+        full_args, full_kwargs = tree.map_structure(
+            lambda x: x.full_tensor() if isinstance(x, DTensor) else x,
+            (args, kwargs),
+        )
+        value = func(*full_args, **full_kwargs)
+        placements = [
+            Replicate() if p.is_partial() else p for p in first.placements
+        ]
+        return distribute_tensor(
+            value, first.device_mesh, placements, src_data_rank=None
+        )
+
+    def dropout(self, inputs, p=0.5, training=True, inplace=False):
+        """`torch.nn.functional.dropout` with a mask of the global shape.
+
+        The mask is drawn as the CPU kernel draws it for a plain tensor, so
+        the values equal a single-process run's with the same seed.
+        """
+        if not training or p == 0.0:
+            return inputs
+        keep = 1.0 - p
+        noise = torch.empty(
+            inputs.shape, dtype=inputs.dtype, device=inputs.device
+        )
+        if keep == 0.0:
+            noise.zero_()
+        else:
+            noise.bernoulli_(keep).div_(keep)
+        noise = self.replicate(noise)
+        if inplace:
+            return inputs.mul_(noise)
+        return inputs * noise
+
+
+def _call(mode, func, args, kwargs):
+    """Calls `func`; reduces a lookup result that DTensor reduces once.
+
+    A lookup into a table sharded along the looked-up dimension (an
+    embedding with a vocabulary-sharded table) gives a `_MaskPartial`
+    DTensor: each process holds the rows it owns. DTensor frees the mask at
+    the first reduction, so a second consumer of the same value fails. The
+    value is reduced (all-reduced) once, as it is made, instead. Nothing
+    plain is involved, so `implicit_replication` does not apply.
+    """
+    value = func(*args, **kwargs)
+    if type(value) is not DTensor:
+        return value
+    placements = value.placements
+    if not any(isinstance(p, _MaskPartial) for p in placements):
+        return value
+    reduced = [
+        Replicate() if isinstance(p, _MaskPartial) else p for p in placements
+    ]
+    return value.redistribute(value.device_mesh, reduced)
+
+
+def _create(mode, func, args, kwargs):
+    """A factory's result is replicated where it is made from Python values.
+
+    All processes run the same program with the same seed, so a tensor
+    made from Python values alone (`arange`, `zeros`, `tensor(2.0)`,
+    `from_numpy` of a constant) is identical on every process.
+    `implicit_replication` would take every plain tensor for replicated,
+    including one computed from a process's own data, and would be
+    silently wrong there; replicating at creation covers exactly the
+    tensors that are identical.
+    """
+    value = func(*args, **kwargs)
+    if _created_from_python_values(value, args, kwargs):
+        return mode.replicate(value)
+    return value
+
+
+def _draw_random(mode, func, args, kwargs):
+    """Random draws on a DTensor take the values of the global shape.
+
+    On meshes without an offset-based generator (CPU), DTensor draws each
+    shard from the same generator state and drops a `generator=` argument,
+    so shards repeat each other's values and seeded layers are not
+    reproducible. No plain tensor is involved, so `implicit_replication`
+    does not help. `normal` made from Python values is a factory.
+    """
+    if mode.draws_locally(args):
+        return mode.draw_for_global_shape(func, args, kwargs)
+    if func is torch.normal:
+        return _create(mode, func, args, kwargs)
+    return _call(mode, func, args, kwargs)
+
+
+def _dropout(mode, func, args, kwargs):
+    """Dropout on a DTensor draws its mask for the global shape.
+
+    As for `_draw_random`: DTensor's CPU dropout would draw each shard's
+    mask from the same generator state.
+    """
+    if mode.draws_locally(args):
+        return mode.dropout(*args, **kwargs)
+    return _call(mode, func, args, kwargs)
+
+
+def _repeat_interleave(mode, func, args, kwargs):
+    """`repeat_interleave` with a one-element `repeats` tensor, as an int.
+
+    With a tensor `repeats`, torch decomposes `repeat_interleave` below
+    DTensor into an index tensor of its own, which then meets the DTensor
+    ("got mixed torch.Tensor and DTensor"). That tensor is made inside the
+    decomposition, below any scope a caller could open, so
+    `implicit_replication` cannot reach it; with an int, DTensor lays out
+    the result itself.
+    """
+    return _call(mode, func, *_repeats_as_int(args, kwargs))
+
+
+def _embedding(mode, func, args, kwargs):
+    """Embedding lookups with indices replicated where the table is split.
+
+    DTensor needs the indices replicated on the mesh axes that shard the
+    table's rows. Redistributing them first avoids a DTensor ordering
+    problem: with indices split on an axis that splits the rows on another
+    axis, the lookup's mask was taken from the unreduced indices and did
+    not fit the result. The indices are DTensors already, so
+    `implicit_replication` does not apply.
+    """
+    return _call(mode, func, _replicate_lookup_indices(*args), kwargs)
+
+
+def _attention(mode, func, args, kwargs):
+    """`scaled_dot_product_attention` with its mask laid out to fit.
+
+    DTensor does not redistribute keyword arguments such as `attn_mask`,
+    so the sharding rules would find the mask in a layout no strategy
+    accepts. The mask is a DTensor, so `implicit_replication` does not
+    apply.
+    """
+    return _call(mode, func, *_align_attention_mask(args, kwargs))
+
+
+def _repeats_as_int(args, kwargs):
+    """Passes a one-element `repeats` tensor of `repeat_interleave` as int.
+
+    With a tensor `repeats`, torch decomposes `repeat_interleave` below
+    DTensor into an index tensor of its own, which then meets the DTensor;
+    with an int, DTensor lays the result out itself.
+    """
+    if not (args and isinstance(args[0], DTensor)):
+        return args, kwargs
+    if len(args) > 1:
+        repeats = args[1]
+        if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
+            args = (args[0], int(repeats.item()), *args[2:])
+        return args, kwargs
+    repeats = kwargs.get("repeats")
+    if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
+        kwargs = dict(kwargs, repeats=int(repeats.item()))
+    return args, kwargs
+
+
+def _replicate_lookup_indices(indices, table, *args):
+    """Replicates embedding indices on the mesh axes that shard the table.
+
+    DTensor needs the indices replicated there anyway. Redistributing them
+    first avoids a DTensor ordering problem: when the indices are split on
+    an axis that splits the table's rows on another axis, the lookup's
+    mask was taken from the unreduced indices and did not fit the result.
+    """
+    if not (isinstance(indices, DTensor) and isinstance(table, DTensor)):
+        return (indices, table, *args)
+    placements = [
+        Replicate() if table_placement.is_shard() else placement
+        for placement, table_placement in zip(
+            indices.placements, table.placements
+        )
+    ]
+    if placements != list(indices.placements):
+        indices = indices.redistribute(indices.device_mesh, placements)
+    return (indices, table, *args)
+
+
+def _align_attention_mask(args, kwargs):
+    """Lays out attention inputs and mask so that they fit each other.
+
+    DTensor does not redistribute keyword arguments such as `attn_mask`,
+    so queries, keys and values are first brought to a placement the
+    attention rules accept as is (split by batch or by head, else
+    replicated), and the mask to the matching placement (split like the
+    queries where it has a batch or head dimension of its own).
+    """
+    query, key, value = args[:3]
+    mask = kwargs.get("attn_mask")
+    if not (isinstance(query, DTensor) and isinstance(mask, DTensor)):
+        return args, kwargs
+    placements = [
+        p if p.is_shard() and p.dim in (0, 1) else Replicate()
+        for p in query.placements
+    ]
+    mesh = query.device_mesh
+    query, key, value = (
+        x.redistribute(mesh, placements) if isinstance(x, DTensor) else x
+        for x in (query, key, value)
+    )
+    mask_placements = [
+        p if p.is_shard() and _mask_splits(mask.shape, p.dim) else Replicate()
+        for p in placements
+    ]
+    kwargs = dict(kwargs, attn_mask=mask.redistribute(mesh, mask_placements))
+    return (query, key, value, *args[3:]), kwargs
+
+
+def _mask_splits(mask_shape, dim):
+    """Whether an attention mask has dimension `dim` (batch or head)."""
+    return len(mask_shape) == 4 and mask_shape[dim] > 1
+
+
+def _created_from_python_values(value, args, kwargs):
+    """Whether `value` is a plain tensor made from no tensor.
+
+    Scalars count too: DTensor would take a 0-d tensor for a replicated
+    scalar where it meets a DTensor, but not the tensors derived from it
+    alone (`broadcast_to(1, shape)`, as metrics do for a missing sample
+    weight), which are as identical on every process.
+    """
+    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+        return False
+    if value.device.type == "meta":
+        # Meta tensors (shape inference) hold no values.
+        return False
+    leaves = tree.flatten((args, kwargs))
+    return not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+# Torch functions that create a tensor from Python values alone.
+_CREATION_FUNCTIONS = (
+    torch.arange,
+    torch.as_tensor,
+    torch.asarray,
+    torch.empty,
+    torch.eye,
+    torch.from_numpy,
+    torch.full,
+    torch.linspace,
+    torch.logspace,
+    torch.ones,
+    torch.rand,
+    torch.randint,
+    torch.randn,
+    torch.randperm,
+    torch.scalar_tensor,
+    torch.tensor,
+    torch.tril_indices,
+    torch.triu_indices,
+    torch.zeros,
+)
+# Torch functions that draw random values for a tensor argument.
+_RANDOM_FUNCTIONS = (
+    torch.bernoulli,
+    torch.multinomial,
+    torch.normal,
+    torch.poisson,
+    torch.rand_like,
+    torch.randint_like,
+    torch.randn_like,
+)
+# Torch function -> handler(mode, func, args, kwargs); other functions are
+# called as they are (`_call`).
+_HANDLERS = {
+    **{func: _create for func in _CREATION_FUNCTIONS},
+    **{func: _draw_random for func in _RANDOM_FUNCTIONS},
+    torch.nn.functional.dropout: _dropout,
+    torch.repeat_interleave: _repeat_interleave,
+    torch.Tensor.repeat_interleave: _repeat_interleave,
+    torch.nn.functional.embedding: _embedding,
+    torch.nn.functional.scaled_dot_product_attention: _attention,
+}

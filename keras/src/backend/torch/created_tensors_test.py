@@ -1,0 +1,75 @@
+"""Tests of `replicate_created_tensors` on a one-process mesh."""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras.src import testing
+from keras.src.backend.torch import created_tensors
+from keras.src.distribution import distribution_lib as distribution_api
+
+
+class ReplicateCreatedTensorsTest(testing.TestCase):
+    """Tensors made from Python values inside a step are replicated."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        self.backend_mesh = self.mesh.backend_mesh
+
+    def test_factories_make_replicated_dtensors(self):
+        with created_tensors.replicate_created_tensors(self.mesh):
+            positions = torch.arange(6)
+            constants = torch.as_tensor(np.ones((2, 3), dtype="float32"))
+            scalar = torch.tensor(2.0)
+            broadcast = torch.broadcast_to(scalar, (2, 3))
+            meta = torch.ones(3, device="meta")
+        for value in (positions, constants, scalar, broadcast):
+            self.assertIsInstance(value, DTensor)
+            self.assertEqual(tuple(value.placements), (Replicate(),))
+        self.assertAllClose(positions.to_local().numpy(), np.arange(6))
+        # A scalar counts too, so what is derived from it alone (as
+        # metrics broadcast a missing sample weight) is replicated.
+        self.assertAllClose(broadcast.to_local().numpy(), np.full((2, 3), 2))
+        # Meta tensors (shape inference) hold no values and stay plain.
+        self.assertNotIsInstance(meta, DTensor)
+
+    def test_tensors_from_tensors_stay_plain(self):
+        plain = torch.ones(3)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            copied = torch.as_tensor(plain)
+            doubled = plain * 2
+        self.assertNotIsInstance(copied, DTensor)
+        self.assertNotIsInstance(doubled, DTensor)
+
+    def test_outside_the_context_nothing_changes(self):
+        self.assertNotIsInstance(torch.arange(6), DTensor)
+
+    def test_random_draws_use_the_given_generator(self):
+        probabilities = torch.full((4, 6), 0.5)
+        expected = torch.bernoulli(
+            probabilities, generator=torch.Generator().manual_seed(5)
+        )
+        with created_tensors.replicate_created_tensors(self.mesh):
+            drawn = torch.bernoulli(
+                torch.full((4, 6), 0.5),
+                generator=torch.Generator().manual_seed(5),
+            )
+        self.assertIsInstance(drawn, DTensor)
+        self.assertAllClose(drawn.to_local().numpy(), expected.numpy())
+
+    def test_dropout_mask_equals_the_plain_one(self):
+        x = torch.ones(8, 5)
+        torch.manual_seed(3)
+        expected = torch.nn.functional.dropout(x, p=0.4, training=True)
+        inputs = DTensor.from_local(
+            x, self.backend_mesh, [Shard(0)], run_check=False
+        )
+        torch.manual_seed(3)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            dropped = torch.nn.functional.dropout(inputs, p=0.4, training=True)
+            kept = torch.nn.functional.dropout(inputs, p=0.4, training=False)
+        self.assertAllClose(dropped.full_tensor().numpy(), expected.numpy())
+        self.assertIs(kept, inputs)

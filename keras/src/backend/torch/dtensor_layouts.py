@@ -1,0 +1,131 @@
+"""Keras layouts as DTensor placements.
+
+A Keras `TensorLayout` names, for each tensor dimension, the mesh axes
+that split it. Its torch form, `DTensorLayout`, holds the torch mesh and
+one DTensor placement per mesh axis. Layouts are checked with the shared
+validator (`keras.src.distribution.layout_validation`) before they are
+converted. Nothing here communicates, except `relayout`, which
+redistributes a DTensor (a collective every process must run).
+"""
+
+import collections
+import math
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from keras.src.distribution import layout_validation
+
+# The backend form of a `TensorLayout`: the torch mesh, one placement per
+# mesh axis, and the Keras axes and mesh it came from (for error messages).
+DTensorLayout = collections.namedtuple(
+    "DTensorLayout", ["mesh", "placements", "axes", "keras_mesh"]
+)
+
+
+def axes_to_placements(axes, device_mesh):
+    """Maps Keras layout axes to one DTensor placement per mesh axis.
+
+    A mesh axis that splits a dimension is `Shard(dim)`, and `Replicate()`
+    otherwise. A dimension may be split over several mesh axes; the first
+    one named is the major one, as in JAX's `PartitionSpec`.
+
+    Args:
+        axes: the layout axes, one entry per tensor dimension (`None`, an
+            axis name, or a tuple of axis names).
+        device_mesh: the Keras `DeviceMesh`.
+
+    Returns:
+        A tuple of placements, one per mesh axis.
+
+    Raises:
+        ValueError: for an axis that is not a mesh axis, or one used twice.
+    """
+    layout_validation.check_layout(None, None, axes, device_mesh, "tensor")
+    axis_names = list(device_mesh.axis_names)
+    mesh_shape = tuple(device_mesh.shape)
+    placements = [Replicate() for _ in axis_names]
+    for tensor_dim, entry in enumerate(axes):
+        mesh_dims = [
+            axis_names.index(name)
+            for name in layout_validation.axis_names_of(entry)
+        ]
+        for position, mesh_dim in enumerate(mesh_dims):
+            if mesh_shape[mesh_dim] == 1:
+                # As on JAX, an axis of size 1 splits nothing. A `Shard` on
+                # it would only make DTensor refuse views of the dimension.
+                continue
+            # Mesh axes named earlier are the major ones. DTensor splits in
+            # mesh-axis order, so an axis that follows a major axis in the
+            # mesh must be split with the major axes' size as a stride.
+            split_factor = math.prod(
+                mesh_shape[d] for d in mesh_dims[:position] if d > mesh_dim
+            )
+            if split_factor == 1:
+                placements[mesh_dim] = Shard(tensor_dim)
+            else:
+                placements[mesh_dim] = _StridedShard(
+                    tensor_dim, split_factor=split_factor
+                )
+    return tuple(placements)
+
+
+def backend_layout(layout):
+    """Returns the `DTensorLayout` of a `TensorLayout` or backend layout."""
+    if isinstance(layout, DTensorLayout):
+        return layout
+    return layout.backend_layout
+
+
+def validate_layout(shape, layout, path=None, require_divisible=True):
+    """Checks that a `DTensorLayout` fits a tensor shape on its mesh.
+
+    Args:
+        shape: the tensor shape.
+        layout: a `DTensorLayout`.
+        path: name of the variable, for the error message (`None` for an
+            unnamed tensor).
+        require_divisible: whether every sharded dimension must divide by
+            the product of its mesh axis sizes (variables must; data batches
+            may be split unevenly).
+
+    Raises:
+        ValueError: naming the path, shape, layout, mesh and offending axis.
+    """
+    if layout.axes is None:
+        return
+    layout_validation.check_layout(
+        path,
+        tuple(shape),
+        layout.axes,
+        layout.keras_mesh,
+        kind="variable" if path is not None else "tensor",
+        require_divisible=require_divisible,
+    )
+
+
+def relayout(value, layout):
+    """Redistributes a DTensor to `layout` (differentiably).
+
+    On another mesh, the full value is gathered and each process keeps its
+    part of it.
+    """
+    if value.device_mesh == layout.mesh:
+        if tuple(value.placements) == tuple(layout.placements):
+            return value
+        return value.redistribute(layout.mesh, layout.placements)
+    return distribute_tensor(
+        value.full_tensor(), layout.mesh, layout.placements, src_data_rank=None
+    )
+
+
+def contiguous_strides(shape):
+    """The strides of a contiguous tensor of `shape`."""
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

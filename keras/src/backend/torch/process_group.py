@@ -1,0 +1,195 @@
+"""The torch.distributed process group and the random seed it shares.
+
+One process drives one device. `initialize` joins the job's process group
+(torchrun's environment, or keras's `initialize` arguments) with gloo on
+CPU and NCCL on CUDA, and makes every process use the same random seed.
+DTensor needs a process group even for one process, so the first mesh
+creates a single-process one when nothing else did
+(`ensure_process_group`).
+
+Collectives here: the seed broadcast of `initialize_rng`, issued only from
+`initialize` and `share_seed_once` (called by `set_distribution`), which
+every process calls in the same order.
+"""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_SECONDS = 600
+
+# Whether `initialize_rng` ran: variables are created from the shared seed.
+_SEED_SYNCHRONIZED = False
+
+
+def initialize(job_addresses=None, num_processes=None, process_id=None):
+    """Joins the job's process group and shares the random seed.
+
+    See `keras.src.backend.torch.distribution_lib.initialize`.
+    """
+    if not dist.is_initialized():
+        init_process_group(job_addresses, num_processes, process_id)
+    initialize_rng()
+
+
+def initialize_rng():
+    """Makes every process use the same global random seed.
+
+    If no seed was set with `keras.utils.set_random_seed`, process 0 draws
+    one and broadcasts it, as the JAX backend does in `initialize`.
+    """
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    global _SEED_SYNCHRONIZED
+    _SEED_SYNCHRONIZED = True
+    if rng_utils.get_random_seed() is not None:
+        return
+    seed = torch.tensor(
+        [seed_generator.make_default_seed()],
+        dtype=torch.int64,
+        device=collective_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    rng_utils.set_random_seed(int(seed.item()))
+
+
+def share_seed_once():
+    """Shares the global random seed, unless `initialize` already did.
+
+    Called by `keras.distribution.set_distribution` for each distribution
+    it sets: every process reaches it in the same order, so the broadcast
+    of `initialize_rng` is issued in lockstep. It covers a process group
+    created outside `initialize` (e.g. by `dist.init_process_group`);
+    with a single process nothing is shared.
+    """
+    if _SEED_SYNCHRONIZED:
+        return
+    maybe_auto_initialize()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        initialize_rng()
+
+
+def num_processes():
+    """The number of processes of the job (1 without a process group)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def process_id():
+    """The rank of this process (0 without a process group)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def collective_device():
+    """The device of tensors that collectives exchange: CUDA under NCCL."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def timeout():
+    """How long a collective may wait (`KERAS_DTENSOR_TIMEOUT_SECONDS`)."""
+    seconds = float(os.environ.get(TIMEOUT_ENV_VAR, DEFAULT_TIMEOUT_SECONDS))
+    return datetime.timedelta(seconds=seconds)
+
+
+def launched_multi_process():
+    """Whether a launcher (torchrun) started several processes."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def maybe_auto_initialize():
+    """Joins torchrun's process group if the user did not call initialize."""
+    if not dist.is_initialized() and launched_multi_process():
+        initialize()
+
+
+def ensure_process_group():
+    """DTensor needs a process group, even for a single process.
+
+    Under torchrun this joins the job's group without sharing the seed:
+    it runs from a mesh's first conversion, which a property access may
+    reach on some processes only (the seed is shared by
+    `set_distribution`).
+    """
+    if dist.is_initialized():
+        return
+    if launched_multi_process():
+        init_process_group(None, None, None)
+        return
+    dist.init_process_group(
+        backend="gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timeout(),
+    )
+
+
+def init_process_group(job_addresses, num_processes, process_id):
+    """Creates the default process group from arguments and environment."""
+    if job_addresses:
+        addresses = job_addresses.split(",")
+        if num_processes is not None and len(addresses) > 1:
+            if num_processes != len(addresses):
+                raise ValueError(
+                    f"The provided job_addresses {addresses} has "
+                    f"{len(addresses)} jobs, but num_processes is "
+                    f"{num_processes}"
+                )
+        host, _, port = addresses[0].rpartition(":")
+        if not host:
+            raise ValueError(
+                "Expected job addresses as 'host:port'. Received: "
+                f"job_addresses={job_addresses}"
+            )
+        os.environ["MASTER_ADDR"] = host
+        os.environ["MASTER_PORT"] = port
+    world_size = (
+        num_processes
+        if num_processes is not None
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    rank = (
+        process_id
+        if process_id is not None
+        else int(os.environ.get("RANK", "0"))
+    )
+    kwargs = {"timeout": timeout(), "rank": rank, "world_size": world_size}
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        kwargs["store"] = dist.HashStore()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_cuda_device(rank))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, **kwargs)
+
+
+def local_cuda_device(rank):
+    """The CUDA device of this process: its `LOCAL_RANK`.
+
+    Raises:
+        ValueError: when this machine has no device for that local rank.
+    """
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % count))
+    if local_rank >= count:
+        raise ValueError(
+            f"Process with LOCAL_RANK={local_rank} (rank {rank}) has no CUDA "
+            f"device: {count} device(s) are visible on this machine "
+            f"(CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Start at most "
+            f"{count} process(es) per machine (`torchrun "
+            f"--nproc_per_node={count}`), make more GPUs visible, or run on "
+            'CPU with gloo (CUDA_VISIBLE_DEVICES="").'
+        )
+    return local_rank

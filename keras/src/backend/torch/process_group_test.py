@@ -1,0 +1,32 @@
+"""Tests of the process-group set-up that need no second process."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from keras.src import testing
+from keras.src.backend.torch import process_group
+
+
+class LocalDeviceTest(testing.TestCase):
+    def test_local_rank_without_a_device_is_named(self):
+        with mock.patch.object(torch.cuda, "device_count", return_value=1):
+            with mock.patch.dict("os.environ", {"LOCAL_RANK": "1"}):
+                with self.assertRaisesRegex(
+                    ValueError,
+                    r"LOCAL_RANK=1 \(rank 1\) has no CUDA device: 1 "
+                    r"device\(s\) are visible.*--nproc_per_node=1",
+                ):
+                    process_group.local_cuda_device(1)
+            with mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}):
+                self.assertEqual(process_group.local_cuda_device(1), 0)
+
+
+@pytest.mark.parametrize(
+    "addresses,num_processes",
+    [("10.0.0.1:1234,10.0.0.2:2345,10.0.0.3:1", 2)],
+)
+def test_job_addresses_must_match_num_processes(addresses, num_processes):
+    with pytest.raises(ValueError, match="has 3 jobs"):
+        process_group.init_process_group(addresses, num_processes, 0)
