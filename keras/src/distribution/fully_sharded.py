@@ -6,6 +6,26 @@ parameters, and returns the result as a `LayoutMap`. It composes with
 tensor-parallel layouts: given a base `LayoutMap`, variables keep the
 axes they already have, and the new axis is added as the minor one.
 
+The largest dimension that divides by the size of `axis` is sharded
+over it (the first one on a tie). Variables already sharded on other
+axes (by the base layout) keep those axes; a dimension already
+sharded takes `axis` too, as its minor axis, only when its size
+divides by the product of all its axis sizes. Variables with fewer
+than `min_size` elements, variables with no suitable dimension, and
+variables left out by `include` or `exclude` are not sharded over
+`axis`; nothing is, when `axis` has size 1.
+
+Example:
+
+```python
+mesh = DeviceMesh((2, 4), ("fsdp", "model"), devices)
+with keras.StatelessScope():  # variables get shapes, not memory
+    model = make_model()
+    layout_map = fully_sharded_layouts(model, mesh, "fsdp")
+    set_distribution(ModelParallel(layout_map=layout_map))
+# Leaving the scope creates every variable, sharded.
+```
+
 Nothing here depends on a backend.
 """
 
@@ -33,27 +53,9 @@ def fully_sharded_layouts(
 ):
     """Returns layouts that shard each large variable over a mesh axis.
 
-    For each variable of `model`, the largest dimension that divides by
-    the size of `axis` is sharded over it (the first one on a tie).
-    Variables already sharded on other axes (by `layout_map`) keep those
-    axes; a dimension already sharded takes `axis` too, as its minor
-    axis, only when its size divides by the product of all its axis
-    sizes. Variables with fewer than `min_size` elements, variables with
-    no suitable dimension, and variables left out by `include` or
-    `exclude` are not sharded over `axis`; nothing is, when `axis` has
-    size 1. Each decision is logged at
+    Each variable's largest dimension that divides by the size of `axis`
+    is sharded over it (rules and example: module docstring), logged at
     `INFO` level on this module's logger.
-
-    Example:
-
-    ```python
-    mesh = DeviceMesh((2, 4), ("fsdp", "model"), devices)
-    with keras.StatelessScope():  # variables get shapes, not memory
-        model = make_model()
-        layout_map = fully_sharded_layouts(model, mesh, "fsdp")
-        set_distribution(ModelParallel(layout_map=layout_map))
-    # Leaving the scope creates every variable, sharded.
-    ```
 
     Args:
         model: a built Keras model, an abstract one (built under
@@ -64,13 +66,12 @@ def fully_sharded_layouts(
         axis: the mesh axis to shard over.
         min_size: the number of elements below which a variable is not
             sharded over `axis`.
-        include: optional regex or list of regexes; when given, only
-            variables whose path `re.fullmatch`es one are sharded.
-        exclude: optional regex or list of regexes; variables whose path
-            `re.fullmatch`es one are not sharded over `axis`.
+        include: optional regex(es); only variables whose path
+            `re.fullmatch`es one are sharded.
+        exclude: optional regex(es); variables whose path matches one
+            are not sharded over `axis`.
         layout_map: optional base `LayoutMap` (e.g. from
-            `tensor_parallel_layouts`) whose layouts are kept and
-            refined.
+            `tensor_parallel_layouts`), kept and refined.
 
     Returns:
         A new `LayoutMap`: the entries of `layout_map`, and an exact key
@@ -80,13 +81,8 @@ def fully_sharded_layouts(
         ValueError: if `axis` is not a mesh axis, the meshes differ, or a
             base layout does not fit its variable.
     """
-    device_mesh = _resolve_mesh(device_mesh, layout_map)
+    device_mesh = _resolve_mesh(device_mesh, layout_map, axis)
     sizes = layout_validation.mesh_axis_sizes(device_mesh)
-    if axis not in sizes:
-        raise ValueError(
-            f"Axis {axis!r} is not an axis of the mesh {device_mesh}. "
-            f"Mesh axes: {tuple(device_mesh.axis_names)}"
-        )
     include = _patterns(include, "include")
     exclude = _patterns(exclude, "exclude")
     entries = {}
@@ -96,18 +92,10 @@ def fully_sharded_layouts(
         base = None
         if layout_map is not None:
             base = layout_composition.resolve_layout(layout_map, path, shape)
-        if base is not None:
-            layout_validation.check_layout(path, shape, base, device_mesh)
-        axes, reason = sharded_axes(
+            if base is not None:
+                layout_validation.check_layout(path, shape, base, device_mesh)
+        axes = _logged_axes(
             path, shape, base, axis, sizes, min_size, include, exclude
-        )
-        logger.info(
-            "fully_sharded_layouts: variable '%s' with shape %s: %s; "
-            "layout axes %s.",
-            path,
-            shape,
-            reason,
-            axes,
         )
         if axes is not None:
             entries[path] = axes
@@ -117,7 +105,8 @@ def fully_sharded_layouts(
 
 
 def sharded_axes(path, shape, base, axis, sizes, min_size, include, exclude):
-    """Decides the layout of one variable.
+    """Decides the layout of one variable (the rules are in the module
+    docstring).
 
     Args:
         path: the variable path.
@@ -170,17 +159,38 @@ def sharded_axes(path, shape, base, axis, sizes, min_size, include, exclude):
     )
 
 
-def _resolve_mesh(device_mesh, layout_map):
+def _logged_axes(path, shape, base, axis, sizes, min_size, include, exclude):
+    """`sharded_axes` of one variable, with its decision logged at INFO."""
+    axes, reason = sharded_axes(
+        path, shape, base, axis, sizes, min_size, include, exclude
+    )
+    logger.info(
+        "fully_sharded_layouts: variable '%s' with shape %s: %s; "
+        "layout axes %s.",
+        path,
+        shape,
+        reason,
+        axes,
+    )
+    return axes
+
+
+def _resolve_mesh(device_mesh, layout_map, axis):
+    """The mesh of the layouts, which must have `axis`."""
     if layout_map is None:
         if device_mesh is None:
             raise ValueError("Pass a `device_mesh` or a base `layout_map`.")
-        return device_mesh
-    if device_mesh is None:
-        return layout_map.device_mesh
-    if not layout_composition.same_mesh(device_mesh, layout_map.device_mesh):
+    elif device_mesh is None:
+        device_mesh = layout_map.device_mesh
+    elif not layout_composition.same_mesh(device_mesh, layout_map.device_mesh):
         raise ValueError(
             f"The mesh {device_mesh} differs from the mesh of the base "
             f"layout_map, {layout_map.device_mesh}."
+        )
+    if axis not in device_mesh.axis_names:
+        raise ValueError(
+            f"Axis {axis!r} is not an axis of the mesh {device_mesh}. "
+            f"Mesh axes: {tuple(device_mesh.axis_names)}"
         )
     return device_mesh
 

@@ -363,27 +363,12 @@ def merge_layouts(model, *layout_maps):
             or an indivisible dimension, naming the variable path, shape
             and axes.
     """
-    if not layout_maps:
-        raise ValueError("`merge_layouts` needs at least one LayoutMap.")
-    device_mesh = layout_maps[0].device_mesh
-    for layout_map in layout_maps[1:]:
-        if not same_mesh(layout_map.device_mesh, device_mesh):
-            raise ValueError(
-                "All LayoutMaps must use the same mesh. Received meshes "
-                f"{mesh_text(device_mesh)} and "
-                f"{mesh_text(layout_map.device_mesh)}."
-            )
+    device_mesh = _common_mesh(layout_maps)
     shapes = variable_shapes(model)
     entries = {}
     for path, shape in shapes.items():
-        merged = None
-        for layout_map in layout_maps:
-            axes = resolve_layout(layout_map, path, shape)
-            if axes is not None:
-                check_layout(path, shape, axes, device_mesh)
-                merged = _merged_axes(path, shape, merged, axes, device_mesh)
+        merged = _merged_variable_axes(path, shape, layout_maps, device_mesh)
         if merged is not None:
-            check_layout(path, shape, merged, device_mesh)
             entries[path] = merged
     for layout_map in layout_maps:
         for key in layout_map:
@@ -400,6 +385,34 @@ def merge_layouts(model, *layout_maps):
     result = build_layout_map(device_mesh, entries)
     check_layouts(model, result)
     return result
+
+
+def _common_mesh(layout_maps):
+    """The mesh every map of `layout_maps` uses (they must share one)."""
+    if not layout_maps:
+        raise ValueError("`merge_layouts` needs at least one LayoutMap.")
+    device_mesh = layout_maps[0].device_mesh
+    for layout_map in layout_maps[1:]:
+        if not same_mesh(layout_map.device_mesh, device_mesh):
+            raise ValueError(
+                "All LayoutMaps must use the same mesh. Received meshes "
+                f"{mesh_text(device_mesh)} and "
+                f"{mesh_text(layout_map.device_mesh)}."
+            )
+    return device_mesh
+
+
+def _merged_variable_axes(path, shape, layout_maps, device_mesh):
+    """The merged axes of one variable over every map, or `None`."""
+    merged = None
+    for layout_map in layout_maps:
+        axes = resolve_layout(layout_map, path, shape)
+        if axes is not None:
+            check_layout(path, shape, axes, device_mesh)
+            merged = _merged_axes(path, shape, merged, axes, device_mesh)
+    if merged is not None:
+        check_layout(path, shape, merged, device_mesh)
+    return merged
 
 
 def same_mesh(mesh, other):

@@ -67,7 +67,21 @@ def remat_layers(model, patterns):
             (unseeded layers such as `Dropout(rate)` use the backend's
             global generator, whose state the recomputation restores).
     """
-    compiled = _compile(patterns)
+    matched = _matched_layers(model, _compile(patterns))
+    for layer, path in matched:
+        _check_no_seeded_random(layer, path)
+    mode = full_remat_mode()
+    for layer, _ in matched:
+        layer._remat_mode = mode
+    return [path for _, path in matched]
+
+
+def _matched_layers(model, compiled):
+    """`(layer, path)` of each layer whose path a pattern fullmatches.
+
+    Raises:
+        ValueError: if a pattern matches no layer, listing the layer paths.
+    """
     layers = layout_composition.called_layers(model)
     paths = [layout_composition.layer_path(layer) for layer in layers]
     unmatched = [
@@ -82,17 +96,11 @@ def remat_layers(model, patterns):
             "`re.fullmatch` at least one layer path (layers have a path "
             f"once they have been called). Layer paths: {paths}"
         )
-    matched = [
+    return [
         (layer, path)
         for layer, path in zip(layers, paths)
         if any(pattern.fullmatch(path) for pattern in compiled)
     ]
-    for layer, path in matched:
-        _check_no_seeded_random(layer, path)
-    mode = full_remat_mode()
-    for layer, _ in matched:
-        layer._remat_mode = mode
-    return [path for _, path in matched]
 
 
 def full_remat_mode():

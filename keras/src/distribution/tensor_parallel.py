@@ -159,9 +159,32 @@ def tensor_parallel_layouts(model, device_mesh, plan, *, batch_dim_name=None):
         layer_path(layer): layer
         for layer in layout_composition.called_layers(model)
     }
-    claimed = {}
     entries = {}
-    for pattern, style in plan.items():
+    for pattern, layer in _planned_layers(plan, layers):
+        style = plan[pattern]
+        for key, axes in style(layer, batch_dim_name).items():
+            axes = layout_composition.normalize_axes(axes)
+            if key in entries and entries[key] != axes:
+                raise ValueError(
+                    f"Conflicting layouts for '{key}' on mesh "
+                    f"{device_mesh}: layout axes {entries[key]} and "
+                    f"{axes} (from plan key {pattern!r})."
+                )
+            entries[key] = axes
+    layout_map = layout_composition.build_layout_map(device_mesh, entries)
+    layout_composition.check_layouts(model, layout_map)
+    return layout_map
+
+
+def _planned_layers(plan, layers):
+    """`(plan key, layer)` for each layer a plan key matches.
+
+    Raises:
+        ValueError: when a key matches no layer (listing the layer paths),
+            or a layer matches two keys.
+    """
+    claimed = {}
+    for pattern in plan:
         matched = [path for path in layers if re.fullmatch(pattern, path)]
         if not matched:
             raise ValueError(
@@ -175,19 +198,7 @@ def tensor_parallel_layouts(model, device_mesh, plan, *, batch_dim_name=None):
                     f"{claimed[path]!r} and {pattern!r}."
                 )
             claimed[path] = pattern
-            layer = layers[path]
-            for key, axes in style(layer, batch_dim_name).items():
-                axes = layout_composition.normalize_axes(axes)
-                if key in entries and entries[key] != axes:
-                    raise ValueError(
-                        f"Conflicting layouts for '{key}' on mesh "
-                        f"{device_mesh}: layout axes {entries[key]} and "
-                        f"{axes} (from plan key {pattern!r})."
-                    )
-                entries[key] = axes
-    layout_map = layout_composition.build_layout_map(device_mesh, entries)
-    layout_composition.check_layouts(model, layout_map)
-    return layout_map
+            yield pattern, layers[path]
 
 
 def column_parallel_layouts(layer, batch_dim_name, axis, gather_output=False):
