@@ -74,8 +74,7 @@ def fully_sharded_layouts(
             `tensor_parallel_layouts`), kept and refined.
 
     Returns:
-        A new `LayoutMap`: the entries of `layout_map`, and an exact key
-        for every variable that is sharded.
+        A new `LayoutMap`: `layout_map`'s entries, and a key per variable.
 
     Raises:
         ValueError: if `axis` is not a mesh axis, the meshes differ, or a
