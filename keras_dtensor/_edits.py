@@ -9,6 +9,7 @@ This module is imported at Python start-up: it imports neither torch nor
 keras at module level.
 """
 
+import functools
 import re
 import sys
 
@@ -65,9 +66,24 @@ def check_supported_versions(module=None):
 
 
 def _is_torch_backend():
+    """Whether keras runs on the torch backend (the edits act only then)."""
     from keras.src.backend.config import backend
 
     return backend() == "torch"
+
+
+def distribution_accessor():
+    """The edits' one way to read the active distribution.
+
+    It reads what `keras.distribution.distribution()` reads, without that
+    function's Python frame: the layer-call edit asks on every layer call.
+
+    Returns:
+        A function of no arguments returning the `Distribution`, or None.
+    """
+    from keras.src.backend.common import global_state
+
+    return functools.partial(global_state.get_global_attribute, "distribution")
 
 
 def _torch_distribution_lib():
@@ -126,13 +142,13 @@ def edit_variable_initialize(core):
     distribution's `get_variable_layout`; with neither, creation is
     upstream's.
     """
-    from keras.src.backend.common import global_state
+    current_distribution = distribution_accessor()
 
     upstream_initialize = core.Variable._initialize
 
     def _initialize(self, value):
         if self._layout is None:
-            distribution = global_state.get_global_attribute("distribution")
+            distribution = current_distribution()
             if distribution is None:
                 return upstream_initialize(self, value)
             # `get_variable_layout` reads the shape, which may not be set yet.
@@ -212,12 +228,12 @@ def edit_compute_output_spec(core):
     `replicate_created_tensors`, so the placeholders are replicated DTensors
     (they are identical on every process).
     """
-    from keras.src.backend.common import global_state
+    current_distribution = distribution_accessor()
 
     upstream_compute_output_spec = core.compute_output_spec
 
     def compute_output_spec(fn, *args, **kwargs):
-        distribution = global_state.get_global_attribute("distribution")
+        distribution = current_distribution()
         if distribution is None:
             return upstream_compute_output_spec(fn, *args, **kwargs)
         with _torch_distribution_lib().replicate_created_tensors(
@@ -269,13 +285,14 @@ def edit_layer_call_distributes_inputs(layer_module):
     """
     if not _is_torch_backend():
         return
+    current_distribution = distribution_accessor()
     from keras.src.backend.common import global_state
     from keras.src.backend.common.keras_tensor import any_symbolic_tensors
 
     upstream_call = layer_module.Layer.__call__
 
     def __call__(self, *args, **kwargs):
-        distribution = global_state.get_global_attribute("distribution")
+        distribution = current_distribution()
         if (
             distribution is None
             or global_state.get_global_attribute("current_call_ctx") is not None
@@ -335,14 +352,14 @@ def edit_callbacks_synchronous_under_distribution(callback_list_module):
     """
     if not _is_torch_backend():
         return
-    from keras.src.backend.common import global_state
+    current_distribution = distribution_accessor()
 
     callback_list = callback_list_module.CallbackList
     upstream_configure = callback_list._configure_async_dispatch
 
     def _configure_async_dispatch(self, callbacks):
         upstream_configure(self, callbacks)
-        if global_state.get_global_attribute("distribution") is not None:
+        if current_distribution() is not None:
             self._async_train = False
             self._async_test = False
             self._async_predict = False
@@ -406,10 +423,10 @@ def collective_failure_note(operation):
 
     Returns None without a multi-process distribution.
     """
-    from keras.src.backend.common import global_state
+    current_distribution = distribution_accessor()
 
     distribution_lib = _torch_distribution_lib()
-    if global_state.get_global_attribute("distribution") is None:
+    if current_distribution() is None:
         return None
     world_size = distribution_lib.num_processes()
     if world_size == 1:
@@ -434,12 +451,12 @@ def edit_metrics_result_in_step_context(trainer_module):
     """
     if not _is_torch_backend():
         return
-    from keras.src.backend.common import global_state
+    current_distribution = distribution_accessor()
 
     upstream_get_metrics_result = trainer_module.Trainer.get_metrics_result
 
     def get_metrics_result(self):
-        distribution = global_state.get_global_attribute("distribution")
+        distribution = current_distribution()
         if distribution is None:
             return upstream_get_metrics_result(self)
         with _torch_distribution_lib().replicate_created_tensors(
