@@ -71,18 +71,12 @@ def coordinate(rank, shape):
     return np.unravel_index(rank, shape)
 
 
-def on_mesh(placements, shape):
-    """`placements` as laid out on a mesh of `shape`: as on JAX, an axis of
-    size 1 splits nothing, so it holds `R` whatever the layout names."""
-    return [p if size > 1 else "R" for p, size in zip(placements, shape)]
-
-
 def expected_placements(shape, shard_dim):
     _, _, model_dim = axis_sizes(shape)
     placements = ["R"] * len(shape)
     if shard_dim is not None:
         placements[model_dim] = f"S({shard_dim})"
-    return on_mesh(placements, shape)
+    return placements
 
 
 def chunk(full, dim, index, parts):
@@ -251,7 +245,7 @@ def test_collectives(run):
 
 
 # Placements of the `<layer path>/output` layouts that the worker sets,
-# by mesh rank, before `on_mesh`: `pair` returns a tuple, `named` a dict,
+# by mesh rank: `pair` returns a tuple, `named` a dict,
 # `proj` one tensor.
 OUTPUT_PLACEMENTS = {
     1: {
@@ -289,9 +283,7 @@ def test_layer_output_layouts(run, reference, output):
     """Every tensor of a layer's output, be it a tuple or a dict, takes the
     layer's output layout, and holds plain Keras's values."""
     _, shape, reports = run
-    placements = on_mesh(
-        OUTPUT_PLACEMENTS[len(shape)][OUTPUT_LAYERS[output]], shape
-    )
+    placements = OUTPUT_PLACEMENTS[len(shape)][OUTPUT_LAYERS[output]]
     expected = np.asarray(reference[f"outputs/{output}/value"])
     for rank, report in enumerate(reports):
         assert report[f"outputs/{output}/placements"] == placements

@@ -38,18 +38,19 @@ def assert_close_lists(actual, expected):
 
 @pytest.mark.parametrize("case", sorted(MESHES))
 def test_size_one_axes_train_as_one_process(reports, case):
-    """A mesh axis of size 1 splits nothing: placements are replicated
-    there, and fit, evaluate (with confusion-matrix metrics) and predict
-    give the single-process numbers."""
+    """A mesh axis of size 1 splits nothing (its shard is the whole
+    dimension), and fit, evaluate (with confusion-matrix metrics, which
+    view the sharded output) and predict give the single-process
+    numbers."""
     reference, one, two = reports
     ranks = one if MESHES[case] == 1 else two
     expected = harness.run_values(reference, "single")
     shape = tuple(int(s) for s in case[5:].split(","))
     for report in ranks:
         values = harness.run_values(report, case)
-        placements = ["R", "R"]
-        if shape[1] > 1:
-            placements[1] = "S(0)"
+        # `b1`'s kernel splits its one column where "model" has size 1
+        # (the shard is the whole column), else its rows.
+        placements = ["R", "S(0)" if shape[1] > 1 else "S(1)"]
         assert values["b1_kernel_placements"] == placements
         assert values["a_kernel_local_shape"] == [4, 8 // shape[1]]
         assert_close_lists(values["batch_losses"], expected["batch_losses"])

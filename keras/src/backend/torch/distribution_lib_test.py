@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
 from keras.src import backend
 from keras.src import layers
@@ -128,15 +128,14 @@ class SingleProcessDistributionTest(testing.TestCase):
         for variable in model.weights:
             self.assertIsInstance(variable.value, DTensor)
             self.assertIsInstance(variable.value, torch.nn.Parameter)
-        # As on JAX, a mesh axis of size 1 splits nothing.
         self.assertEqual(
-            tuple(model.layers[0].kernel.value.placements), (Replicate(),)
+            tuple(model.layers[0].kernel.value.placements), (Shard(1),)
         )
-        self.assertIn("placements=(Replicate(),)", repr(model.weights[0]))
+        self.assertIn("placements=(Shard(dim=1),)", repr(model.weights[0]))
         optimizer = optimizers.Adam()
         optimizer.build(model.trainable_variables)
         self.assertEqual(
-            tuple(optimizer.variables[2].value.placements), (Replicate(),)
+            tuple(optimizer.variables[2].value.placements), (Shard(1),)
         )
 
     def test_explicit_layout_wins(self):
@@ -216,7 +215,7 @@ class SingleProcessDistributionTest(testing.TestCase):
 
     def test_size_one_axes_split_nothing(self):
         """A model on a (1, 1) mesh with sharded layouts trains as one
-        without a distribution: size-1 axes are replicated."""
+        without a distribution: size-1 axes hold whole dimensions."""
         x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
         y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
 

@@ -29,7 +29,10 @@ def axes_to_placements(axes, device_mesh):
     """Maps Keras layout axes to one DTensor placement per mesh axis.
 
     A mesh axis that splits a dimension is `Shard(dim)`, and `Replicate()`
-    otherwise. A dimension may be split over several mesh axes; the first
+    otherwise. On an axis of size 1 a `Shard` holds the whole dimension,
+    as JAX's absent axis does; views that DTensor's own rule refuses there
+    take its `reshape` rule (`sharding_rules`), which costs nothing on
+    such an axis. A dimension may be split over several mesh axes; the first
     one named is the major one, as in JAX's `PartitionSpec`.
 
     Args:
@@ -53,17 +56,13 @@ def axes_to_placements(axes, device_mesh):
             for name in layout_validation.axis_names_of(entry)
         ]
         for position, mesh_dim in enumerate(mesh_dims):
-            if mesh_shape[mesh_dim] == 1:
-                # As on JAX, an axis of size 1 splits nothing. A `Shard` on
-                # it would only make DTensor refuse views of the dimension.
-                continue
             # Mesh axes named earlier are the major ones. DTensor splits in
             # mesh-axis order, so an axis that follows a major axis in the
             # mesh must be split with the major axes' size as a stride.
             split_factor = math.prod(
                 mesh_shape[d] for d in mesh_dims[:position] if d > mesh_dim
             )
-            if split_factor == 1:
+            if split_factor == 1 or mesh_shape[mesh_dim] == 1:
                 placements[mesh_dim] = Shard(tensor_dim)
             else:
                 placements[mesh_dim] = _StridedShard(

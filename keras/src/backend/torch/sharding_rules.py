@@ -18,6 +18,12 @@ refuses.
   instead, which first gathers the merged dimension (replicates it) and
   then views. The values are exact; the gathered dimension costs an
   all-gather and its compute is no longer split.
+- **Reshaping a dimension sharded over a mesh axis of size 1.** Such a
+  `Shard` holds the whole dimension (JAX would have no axis there), yet
+  torch's `view` rule refuses to merge or split it ("would remove or
+  reshape sharded dimension"), e.g. `Dense(1)`'s column-sharded output
+  viewed as `[1, -1]` by a metric. The view takes the `reshape` rule,
+  whose redistribution on a size-1 axis moves nothing.
 - **CPU flash attention.** DTensor has rules for the CUDA attention
   kernels but not for the one `scaled_dot_product_attention` uses on CPU
   (forward and backward): replicated, split by batch or split by head.
@@ -35,9 +41,13 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
 
-# View ops whose rule refuses to flatten a sharded inner dimension.
+# View ops whose rule refuses to flatten or reshape a sharded dimension.
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-_FLATTEN_REFUSAL = "Attempted to flatten multiple dimensions"
+# What torch's `view` rule says where `reshape`'s would redistribute.
+_VIEW_REFUSALS = (
+    "Attempted to flatten multiple dimensions",
+    "would remove or reshape sharded dimension",
+)
 # Whether `register` ran.
 _REGISTERED = False
 
@@ -61,7 +71,7 @@ def register():
 
 
 def _register_view_fallbacks():
-    """`view` rules that take `reshape`'s where torch's refuse to flatten."""
+    """`view` rules that take `reshape`'s where torch's refuse."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     reshape_rule = propagator.op_strategy_funcs[torch.ops.aten.reshape.default]
     for op in _VIEW_OPS:
@@ -74,7 +84,7 @@ def _register_view_fallbacks():
 
 
 def view_with_reshape_fallback(view_rule, reshape_rule):
-    """A `view` rule that takes `reshape`'s where `view`'s refuses to flatten.
+    """A `view` rule that takes `reshape`'s where `view`'s refuses.
 
     `view` and `reshape` take the same arguments (tensor, sizes), and torch
     derives the same dimension map from them for both; the rules differ
@@ -86,7 +96,7 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
         try:
             return view_rule(op_schema)
         except RuntimeError as error:
-            if _FLATTEN_REFUSAL not in str(error):
+            if not any(refusal in str(error) for refusal in _VIEW_REFUSALS):
                 raise
         return reshape_rule(op_schema)
 

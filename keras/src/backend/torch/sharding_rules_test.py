@@ -61,7 +61,8 @@ class HeadShardedMatmulTest(testing.TestCase):
 
 
 class ViewFallbackTest(testing.TestCase):
-    """The fallback steps in on the flatten refusal and on nothing else."""
+    """The fallback steps in on `view`'s refusals to flatten or reshape a
+    sharded dimension, and on nothing else."""
 
     def rule_raising(self, message):
         def view_rule(op_schema):
@@ -79,13 +80,37 @@ class ViewFallbackTest(testing.TestCase):
         )
         self.assertEqual(rule("schema"), ("reshape", "schema"))
 
-    def test_other_refusals_are_raised(self):
+    def test_refusal_to_reshape_a_sharded_dimension_takes_reshape(self):
         rule = sharding_rules.view_with_reshape_fallback(
             self.rule_raising("would remove or reshape sharded dimension 1"),
             lambda op_schema: ("reshape", op_schema),
         )
-        with self.assertRaisesRegex(RuntimeError, "remove or reshape"):
+        self.assertEqual(rule("schema"), ("reshape", "schema"))
+
+    def test_other_refusals_are_raised(self):
+        rule = sharding_rules.view_with_reshape_fallback(
+            self.rule_raising("some other refusal"),
+            lambda op_schema: ("reshape", op_schema),
+        )
+        with self.assertRaisesRegex(RuntimeError, "some other refusal"):
             rule("schema")
+
+    def test_view_of_a_dimension_on_a_size_one_axis(self):
+        """`Shard(1)` on a mesh axis of size 1 holds the whole dimension;
+        the view torch's rule refuses takes the reshape rule (free there)."""
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        x = distribute_tensor(
+            torch.arange(16.0).reshape(16, 1),
+            mesh.backend_mesh,
+            [Shard(0), Shard(1)],
+        )
+        y = x.view(1, -1)
+        self.assertEqual(tuple(y.shape), (1, 16))
+        self.assertAllClose(
+            y.full_tensor().numpy(), np.arange(16.0).reshape(1, 16)
+        )
 
     def test_accepted_views_keep_the_view_rule(self):
         rule = sharding_rules.view_with_reshape_fallback(
