@@ -26,10 +26,6 @@ def mesh_of(shape, axis_names):
     return distribution_api.DeviceMesh(shape, axis_names, devices)
 
 
-def layout_of(axes, mesh):
-    return distribution_lib.DTensorLayout(None, None, tuple(axes), mesh)
-
-
 class DevicesTest(testing.TestCase):
     def test_list_devices_one_per_process(self):
         self.assertEqual(distribution_lib.list_devices("cpu"), ["cpu:0"])
