@@ -97,6 +97,10 @@ def breakdown(step, steps):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Installed packages, wherever the environment lives (a virtual environment
+# inside the checkout included): classified by package, not as this
+# repository's code.
+INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 PACKAGES = (
     "keras (upstream)",
     "this repository",
@@ -111,7 +115,8 @@ def package(path):
     """The `PACKAGES` entry of a function defined in `path`."""
     if path == "~":
         return "C built-ins"
-    if path.startswith(ROOT + os.sep):
+    installed = any(part in path for part in INSTALLED)
+    if path.startswith(ROOT + os.sep) and not installed:
         return "this repository"
     if f"{os.sep}keras{os.sep}" in path:
         return "keras (upstream)"
@@ -168,7 +173,7 @@ def _profile_calls(step):
     intercepted = sum(
         calls
         for (path, _, name), (_, calls, *_) in stats.stats.items()
-        if name == "__torch_function__" and path.endswith("distribution_lib.py")
+        if name == "__torch_function__" and path.endswith("created_tensors.py")
     )
     return int(stats.total_calls), int(intercepted)
 

@@ -74,7 +74,8 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
     """The torch function mode of `replicate_created_tensors`.
 
     Each torch function with a handler in `_HANDLERS` goes to it; every
-    other function is called as it is (`_call`).
+    other function is called as it is. A lookup result either way is
+    reduced once, as it is made (`_reduce_lookup_result`).
     """
 
     def __init__(self, mesh):
@@ -83,8 +84,18 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         self.replicated = [Replicate()] * mesh.ndim
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        handler = _HANDLERS.get(func, _call)
-        return handler(self, func, args, kwargs or {})
+        # This runs for every torch call of a step: membership and type
+        # tests, which make no Python calls, keep the common path cheap.
+        kwargs = kwargs or {}
+        if func in _HANDLERS:
+            value = _HANDLERS[func](self, func, args, kwargs)
+        else:
+            value = func(*args, **kwargs)
+        if type(value) is DTensor and _MaskPartial in map(
+            type, value.placements
+        ):
+            return _reduce_lookup_result(value)
+        return value
 
     def replicate(self, value):
         """`value` (the same on every process) as a replicated DTensor."""
@@ -146,8 +157,8 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         return inputs * noise
 
 
-def _call(mode, func, args, kwargs):
-    """Calls `func`; reduces a lookup result that DTensor reduces once.
+def _reduce_lookup_result(value):
+    """Reduces a lookup result once, as it is made.
 
     A lookup into a table sharded along the looked-up dimension (an
     embedding with a vocabulary-sharded table) gives a `_MaskPartial`
@@ -156,16 +167,10 @@ def _call(mode, func, args, kwargs):
     value is reduced (all-reduced) once, as it is made, instead. Nothing
     plain is involved, so `implicit_replication` does not apply.
     """
-    value = func(*args, **kwargs)
-    if type(value) is not DTensor:
-        return value
-    placements = value.placements
-    if not any(isinstance(p, _MaskPartial) for p in placements):
-        return value
-    reduced = [
-        Replicate() if isinstance(p, _MaskPartial) else p for p in placements
+    placements = [
+        Replicate() if type(p) is _MaskPartial else p for p in value.placements
     ]
-    return value.redistribute(value.device_mesh, reduced)
+    return value.redistribute(value.device_mesh, placements)
 
 
 def _create(mode, func, args, kwargs):
@@ -198,7 +203,7 @@ def _draw_random(mode, func, args, kwargs):
         return mode.draw_for_global_shape(func, args, kwargs)
     if func is torch.normal:
         return _create(mode, func, args, kwargs)
-    return _call(mode, func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _dropout(mode, func, args, kwargs):
@@ -209,7 +214,7 @@ def _dropout(mode, func, args, kwargs):
     """
     if mode.draws_locally(args):
         return mode.dropout(*args, **kwargs)
-    return _call(mode, func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _repeat_interleave(mode, func, args, kwargs):
@@ -222,7 +227,8 @@ def _repeat_interleave(mode, func, args, kwargs):
     `implicit_replication` cannot reach it; with an int, DTensor lays out
     the result itself.
     """
-    return _call(mode, func, *_repeats_as_int(args, kwargs))
+    args, kwargs = _repeats_as_int(args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _embedding(mode, func, args, kwargs):
@@ -235,7 +241,7 @@ def _embedding(mode, func, args, kwargs):
     not fit the result. The indices are DTensors already, so
     `implicit_replication` does not apply.
     """
-    return _call(mode, func, _replicate_lookup_indices(*args), kwargs)
+    return func(*_replicate_lookup_indices(*args), **kwargs)
 
 
 def _attention(mode, func, args, kwargs):
@@ -246,7 +252,8 @@ def _attention(mode, func, args, kwargs):
     accepts. The mask is a DTensor, so `implicit_replication` does not
     apply.
     """
-    return _call(mode, func, *_align_attention_mask(args, kwargs))
+    args, kwargs = _align_attention_mask(args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _repeats_as_int(args, kwargs):
@@ -338,8 +345,22 @@ def _created_from_python_values(value, args, kwargs):
     if value.device.type == "meta":
         # Meta tensors (shape inference) hold no values.
         return False
-    leaves = tree.flatten((args, kwargs))
-    return not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    return not _holds_tensor(args) and not _holds_tensor(kwargs)
+
+
+def _holds_tensor(value):
+    """Whether `value` or the lists, tuples and dicts in it hold a tensor.
+
+    A factory's arguments are flat, so this recursion is shallower than
+    `tree.flatten`, and cheaper in the step's hot path.
+    """
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(_holds_tensor(item) for item in value)
 
 
 # Torch functions that create a tensor from Python values alone.
@@ -374,8 +395,8 @@ _RANDOM_FUNCTIONS = (
     torch.randint_like,
     torch.randn_like,
 )
-# Torch function -> handler(mode, func, args, kwargs); other functions are
-# called as they are (`_call`).
+# Torch function -> handler(mode, func, args, kwargs), which returns the
+# function's result; other functions are called as they are.
 _HANDLERS = {
     **{func: _create for func in _CREATION_FUNCTIONS},
     **{func: _draw_random for func in _RANDOM_FUNCTIONS},
