@@ -2,10 +2,11 @@
 
 Each case trains with `workers/training_worker.py` on 2 or 4 gloo
 processes and on one process without any distribution, from the same
-initial weights, with `shuffle=False` unless stated. Per-step losses must
-agree within 1e-5 relative, final weights within 1e-5 absolute, and every
-logged value, `evaluate` result and `predict` output must be identical on
-all ranks and equal to the single-process values.
+initial weights, with `shuffle=False` unless stated (sharded variables
+created shard by shard, bit for bit as one process creates them whole).
+Per-step losses must agree within 1e-5 relative, final weights within 1e-5
+absolute, and every logged value, `evaluate` result and `predict` output
+must be identical on all ranks and equal to the single-process values.
 """
 
 import os
@@ -146,6 +147,31 @@ def test_same_initial_weights(case):
         assert (
             max_abs_diff(report["initial_weights"], ref["initial_weights"]) == 0
         )
+
+
+def test_sharded_variables_are_created_shard_by_shard(launches):
+    """Under `mp` and `2d`, sharded variables were created shard by shard.
+
+    The worker makes chunks a few rows small, so that the models' sharded
+    variables (uniform, Glorot-uniform and zeros initializers)
+    take that path; `test_same_initial_weights` shows their values equal
+    the single-process ones, bit for bit.
+    """
+    references, reports = launches
+    for nprocs, runs in RUNS.items():
+        for spec in runs:
+            created = [
+                harness.run_values(report, spec)["shards_created_alone"]
+                for report in reports[nprocs]
+            ]
+            if spec.startswith("dp:"):
+                assert created == [0] * nprocs, spec
+            else:
+                # The transformer's embedding, attention and MLP kernels.
+                assert min(created) >= 9, (spec, created)
+                assert len(set(created)) == 1, (spec, created)
+    for spec in {single(spec) for runs in RUNS.values() for spec in runs}:
+        assert harness.run_values(references, spec)["shards_created_alone"] == 0
 
 
 def test_losses_match_single_device(case):

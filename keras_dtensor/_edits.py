@@ -162,6 +162,34 @@ def edit_variable_initialize(core):
     core.Variable._initialize = _initialize
 
 
+def edit_variable_initialize_shard_by_shard(core):
+    """A sharded variable's initializer runs on its shard, not in full.
+
+    Where the layout shards the variable and the initializer splits into
+    rows (`sharded_initialization`), each process computes only its shard;
+    otherwise the value is computed in full, as upstream does.
+    """
+    current_distribution = distribution_accessor()
+
+    upstream_initialize_with_initializer = (
+        core.Variable._initialize_with_initializer
+    )
+
+    def _initialize_with_initializer(self, initializer):
+        distribution = current_distribution()
+        if self._layout is None and distribution is not None:
+            self._layout = distribution.get_variable_layout(self)
+        if self._layout is not None:
+            shard = _torch_distribution_lib().initialize_variable_shard(
+                initializer, self._shape, self._dtype, self._layout, self.path
+            )
+            if shard is not None:
+                return self._initialize(shard)
+        return upstream_initialize_with_initializer(self, initializer)
+
+    core.Variable._initialize_with_initializer = _initialize_with_initializer
+
+
 def edit_variable_assign(core):
     """Every assignment to a distributed variable keeps its layout."""
     from torch.distributed.tensor import DTensor
@@ -506,6 +534,7 @@ POST_IMPORT_EDITS = {
     "keras.src.backend.torch.core": lambda: [
         check_supported_versions,
         edit_variable_initialize,
+        edit_variable_initialize_shard_by_shard,
         edit_variable_assign,
         edit_variable_repr,
         edit_convert_to_numpy,

@@ -203,6 +203,32 @@ def make_inputs(run, x, y):
     }
 
 
+def count_shards_created_alone():
+    """Counts the variables created shard by shard from now on.
+
+    Chunks are made a few rows small, so that this test's small variables
+    are created shard by shard, across many chunks (see
+    `keras/src/backend/torch/sharded_initialization.py`). Returns a
+    one-element list holding the count.
+    """
+    from keras.src.backend.torch import sharded_initialization
+
+    count = [0]
+    create = sharded_initialization.initialize_variable_shard
+
+    def counted(*args):
+        shard = create(*args)
+        count[0] += shard is not None
+        return shard
+
+    sharded_initialization.CHUNK_BYTES = 64
+    sharded_initialization.initialize_variable_shard = counted
+    return count
+
+
+SHARDS_CREATED_ALONE = count_shards_created_alone()
+
+
 def train(run):
     worker_utils.set_distribution(
         run.mode,
@@ -210,9 +236,11 @@ def train(run):
         auto_shard_dataset=not passes_local_batches(run),
     )
     keras.utils.set_random_seed(1337)
+    shards_before = SHARDS_CREATED_ALONE[0]
     model = build_model(run)
     run.record("optimizer", run.optimizer)
     run.record("initial_weights", [w.tolist() for w in model.get_weights()])
+    run.record("shards_created_alone", SHARDS_CREATED_ALONE[0] - shards_before)
     optimizer = (
         keras.optimizers.SGD(0.05, momentum=0.9)
         if run.optimizer == "sgd"

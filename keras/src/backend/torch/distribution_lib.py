@@ -12,8 +12,9 @@ devices, `initialize`, the `_to_backend_*` conversions and the
 `dtensor_layouts` (layouts as placements, checked by
 `keras.src.distribution.layout_validation`), `batch_distribution` (input
 batches), `collectives` (`all_reduce`, `all_gather`), `created_tensors`
-(the step's torch function mode) and `sharding_rules` (DTensor rules,
-registered when the first mesh is made).
+(the step's torch function mode), `sharded_initialization` (variables
+created shard by shard) and `sharding_rules` (DTensor rules, registered
+when the first mesh is made).
 
 Collectives in lockstep. Every process issues the same collectives, in the
 same order, from the thread that runs the step; a collective paired with a
@@ -51,6 +52,7 @@ from keras.src.backend.torch import batch_distribution
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
 from keras.src.backend.torch import process_group
+from keras.src.backend.torch import sharded_initialization
 from keras.src.backend.torch import sharding_rules
 
 # What other modules and Keras code reach through this module.
@@ -58,6 +60,7 @@ from keras.src.backend.torch.batch_distribution import distribute_data  # noqa: 
 from keras.src.backend.torch.batch_distribution import distribute_global_batch  # noqa: F401
 from keras.src.backend.torch.collectives import all_gather  # noqa: F401
 from keras.src.backend.torch.collectives import all_reduce  # noqa: F401
+from keras.src.backend.torch.core import to_torch_dtype
 from keras.src.backend.torch.created_tensors import replicate_created_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicating_created_tensors  # noqa: F401
 from keras.src.backend.torch.dtensor_layouts import DTensorLayout  # noqa: F401
@@ -213,11 +216,13 @@ def _to_backend_layout(tensor_layout):
 
 
 def distribute_variable(value, layout, trainable=True, path=None):
-    """Creates the distributed parameter of a variable from its full value.
+    """Creates the distributed parameter of a variable from its value.
 
-    Every process computes the same full value from the shared random seed
+    The value is this process's shard where `initialize_variable_shard`
+    could create it alone (a DTensor in the layout already); otherwise
+    every process computes the same full value from the shared random seed
     (see `process_group.initialize_rng`) and keeps its own slice of it, as
-    JAX does with a sharded initializer: nothing is communicated.
+    JAX does with a sharded initializer. Nothing is communicated.
 
     Args:
         value: the full (global) value of the variable, a torch tensor.
@@ -228,14 +233,7 @@ def distribute_variable(value, layout, trainable=True, path=None):
     Returns:
         A `torch.nn.Parameter` holding a DTensor.
     """
-    if getattr(layout, "device_mesh", None) is not None:
-        # Checked before the layout is converted, so that the message
-        # names the variable.
-        layout_validation.check_layout(
-            path, tuple(value.shape), layout.axes, layout.device_mesh
-        )
-    layout = dtensor_layouts.backend_layout(layout)
-    validate_layout(value.shape, layout, path=path, require_divisible=True)
+    layout = _checked_variable_layout(tuple(value.shape), layout, path)
     if isinstance(value, DTensor):
         value = dtensor_layouts.relayout(value, layout)
     else:
@@ -248,6 +246,39 @@ def distribute_variable(value, layout, trainable=True, path=None):
             gradient_buckets.reduce_gradient_when_ready
         )
     return parameter
+
+
+def initialize_variable_shard(initializer, shape, dtype, layout, path=None):
+    """This process's shard of a new variable, without its full value.
+
+    Args:
+        initializer: the variable's initializer.
+        shape: the variable's shape.
+        dtype: the variable's Keras dtype.
+        layout: `TensorLayout` or `DTensorLayout` for the variable.
+        path: the variable path, named in error messages.
+
+    Returns:
+        A DTensor in `layout`, or `None` where the initializer has to run
+        in full (see `sharded_initialization`).
+    """
+    layout = _checked_variable_layout(tuple(shape), layout, path)
+    return sharded_initialization.initialize_variable_shard(
+        initializer, tuple(shape), to_torch_dtype(dtype), layout
+    )
+
+
+def _checked_variable_layout(shape, layout, path):
+    """`layout` as a `DTensorLayout`, once checked against the variable."""
+    if getattr(layout, "device_mesh", None) is not None:
+        # Checked before the layout is converted, so that the message
+        # names the variable.
+        layout_validation.check_layout(
+            path, shape, layout.axes, layout.device_mesh
+        )
+    layout = dtensor_layouts.backend_layout(layout)
+    validate_layout(shape, layout, path=path, require_divisible=True)
+    return layout
 
 
 def assign_to_variable(parameter, value):
