@@ -27,6 +27,19 @@ refuses.
 - **CPU flash attention.** DTensor has rules for the CUDA attention
   kernels but not for the one `scaled_dot_product_attention` uses on CPU
   (forward and backward): replicated, split by batch or split by head.
+- **CUDA attention with a mask.** Torch's rules for the cuDNN and
+  memory-efficient kernels (forward and backward) take a mask (`attn_bias`)
+  but lay it out wrongly: torch 2.13's cuDNN forward rule lists no
+  placement for it when split ("input_specs(3) != strategies(4: 4 args +
+  0 kwargs)", the DataParallel failure of a masked keras-hub model on a
+  GPU), and the efficient and cuDNN rules split a mask that broadcasts
+  over heads (`[B, 1, T, T]`) along its size-1 head dimension. These
+  rules replace them: the same replicated, batch-split and head-split
+  strategies, with the mask split like the queries only along a dimension
+  it has (else replicated), and its gradient a partial sum where it is
+  replicated and the queries are split. The flash kernel takes no mask;
+  torch's own rules stay (`sharding_rules_test` checks them for the
+  installed torch).
 - **`scatter_reduce`** (Keras's segment reductions, used by `AUC`): none
   in DTensor; it runs replicated on the small tensors it gets.
 
@@ -36,6 +49,7 @@ creates its first mesh, before any DTensor op runs.
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -67,7 +81,28 @@ def register():
     register_sharding(torch.ops.aten.scatter_reduce.two)(
         _scatter_reduce_sharding
     )
+    for op, rule in _cuda_attention_rules().items():
+        register_sharding(op)(rule)
     _register_view_fallbacks()
+
+
+def _cuda_attention_rules():
+    """The CUDA attention kernels that take a mask, and their rules."""
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_cudnn_attention.default: (
+            _cudnn_attention_sharding
+        ),
+        aten._scaled_dot_product_cudnn_attention_backward.default: (
+            _cudnn_attention_backward_sharding
+        ),
+        aten._scaled_dot_product_efficient_attention.default: (
+            _efficient_attention_sharding
+        ),
+        aten._scaled_dot_product_efficient_attention_backward.default: (
+            _efficient_attention_backward_sharding
+        ),
+    }
 
 
 def _register_view_fallbacks():
@@ -151,6 +186,131 @@ def _attention_strategies(num_outputs, num_inputs, args, kwargs):
             ([placement] * num_outputs, [placement] * num_inputs + others)
         )
     return strategies
+
+
+# Placements of queries, keys and values under which attention runs on
+# each process alone: replicated, split by batch, split by head.
+_ATTENTION_PLACEMENTS = (Replicate(), Shard(0), Shard(1))
+
+
+def _mask_placement(mask, placement):
+    """Where the queries are laid out as `placement`, the mask's placement.
+
+    A mask is split like the queries along a batch or head dimension of its
+    own, and replicated where it broadcasts there (size 1, or absent).
+    """
+    if mask is None:
+        return None
+    if placement.is_shard() and _mask_splits(mask.shape, placement.dim):
+        return placement
+    return Replicate()
+
+
+def _mask_grad_placement(mask, placement):
+    """The placement of a mask's gradient, for `_mask_placement`'s layout.
+
+    A mask replicated while the queries are split gets a gradient that
+    sums over the processes' parts: a partial sum.
+    """
+    mask_placement = _mask_placement(mask, placement)
+    if mask_placement is None:
+        return None
+    if placement.is_shard() and not mask_placement.is_shard():
+        return Partial()
+    return mask_placement
+
+
+def _cudnn_attention_sharding(
+    query, key, value, attn_bias, compute_log_sumexp, *args, **kwargs
+):
+    """Rules of the cuDNN attention forward, with or without a mask.
+
+    Outputs: output, log-sum-exp, cumulative sequence lengths (2), maximum
+    lengths (2), dropout seed and offset, debug mask. Torch 2.13's own rule
+    has no placement for a mask when split (see the module docstring).
+    """
+    return_debug_mask = len(args) > 2 and args[2]
+    strategies = []
+    for p in _ATTENTION_PLACEMENTS:
+        outputs = [p, p if compute_log_sumexp else Replicate()]
+        outputs += [None] * 6 + [p if return_debug_mask else None]
+        inputs = [p, p, p, _mask_placement(attn_bias, p), None]
+        strategies.append((outputs, inputs + _nones(args, kwargs)))
+    return strategies
+
+
+def _cudnn_attention_backward_sharding(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    seed,
+    offset,
+    attn_bias,
+    *args,
+    **kwargs,
+):
+    """Rules of the cuDNN attention backward: gradients of q, k and v.
+
+    Every tensor of the forward is laid out as there; the dropout seed and
+    offset are replicated.
+    """
+    strategies = []
+    for p in _ATTENTION_PLACEMENTS:
+        inputs = [p] * 6 + [Replicate(), Replicate()]
+        inputs.append(_mask_placement(attn_bias, p))
+        strategies.append(([p] * 3, inputs + _nones(args, kwargs)))
+    return strategies
+
+
+def _efficient_attention_sharding(
+    query, key, value, attn_bias, compute_log_sumexp, *args, **kwargs
+):
+    """Rules of the memory-efficient attention forward.
+
+    Outputs: output, log-sum-exp, dropout seed and offset. Torch's own rule
+    splits a mask that broadcasts over heads along its size-1 dimension.
+    """
+    strategies = []
+    for p in _ATTENTION_PLACEMENTS:
+        outputs = [p, p if compute_log_sumexp else Replicate(), None, None]
+        inputs = [p, p, p, _mask_placement(attn_bias, p), None]
+        strategies.append((outputs, inputs + _nones(args, kwargs)))
+    return strategies
+
+
+def _efficient_attention_backward_sharding(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    seed,
+    offset,
+    *args,
+    **kwargs,
+):
+    """Rules of the memory-efficient attention backward.
+
+    Outputs: gradients of q, k, v and the mask (see
+    `_mask_grad_placement`).
+    """
+    strategies = []
+    for p in _ATTENTION_PLACEMENTS:
+        outputs = [p, p, p, _mask_grad_placement(attn_bias, p)]
+        inputs = [p, p, p, p, _mask_placement(attn_bias, p), p, p]
+        inputs += [Replicate(), Replicate()]
+        strategies.append((outputs, inputs + _nones(args, kwargs)))
+    return strategies
+
+
+def _nones(args, kwargs):
+    """No placement for each of the non-tensor arguments."""
+    return [None] * (len(args) + len(kwargs))
 
 
 def _mask_splits(mask_shape, dim):

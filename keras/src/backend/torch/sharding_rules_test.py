@@ -8,9 +8,14 @@ checked by `benchmark_smoke_test.py` and the torch matrix
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
 
 from keras.src import ops
 from keras.src import testing
@@ -139,3 +144,143 @@ class ViewFallbackTest(testing.TestCase):
             torch.arange(24.0).reshape(4, 6), mesh.backend_mesh, [Replicate()]
         )
         self.assertEqual(y.view(6, 4).placements, (Replicate(),))
+
+
+class CudaAttentionRulesTest(testing.TestCase):
+    """The CUDA attention kernels' rules, checked on CPU.
+
+    The rules are functions of the inputs' shapes and placements, so
+    DTensor's sharding propagation runs them here on placeholders of the
+    ops' arguments (bfloat16 queries of shape [B, H, T, D], as on a GPU),
+    for queries replicated, split by batch and split by head, with no
+    mask, a mask that broadcasts over heads ([B, 1, T, T]) and a mask per
+    head ([B, H, T, T]). Each must give the queries' placement to the
+    outputs, with nothing redistributed: the inputs arrive laid out as
+    `created_tensors._align_attention_mask` lays them out.
+    """
+
+    SHAPE = (2, 4, 8, 16)
+    PLACEMENTS = {"batch": Shard(0), "head": Shard(1), "replicated": None}
+
+    def setUp(self):
+        super().setUp()
+        sharding_rules.register()
+        self.mesh = distribution_api.DeviceMesh(
+            (1,), ("model",), ["cpu:0"]
+        ).backend_mesh
+        self.propagator = DTensor._op_dispatcher.sharding_propagator
+
+    def spec(self, shape, placement, dtype=torch.bfloat16):
+        value = torch.empty(shape, dtype=dtype)
+        meta = TensorMeta(value.shape, value.stride(), value.dtype)
+        return DTensorSpec(self.mesh, (placement,), meta)
+
+    def cases(self):
+        """(name, query placement, query spec, mask spec) of every case."""
+        batch, heads, length, _ = self.SHAPE
+        for name, placement in self.PLACEMENTS.items():
+            placement = placement or Replicate()
+            query = self.spec(self.SHAPE, placement)
+            for mask_shape in (None, (batch, 1, length, length)):
+                yield name, placement, query, self.mask(mask_shape, placement)
+            per_head = (batch, heads, length, length)
+            yield name, placement, query, self.spec(per_head, placement)
+
+    def mask(self, shape, placement):
+        if shape is None:
+            return None
+        broadcast = placement.is_shard() and shape[placement.dim] == 1
+        return self.spec(shape, Replicate() if broadcast else placement)
+
+    def propagate(self, op, args):
+        sharding = self.propagator.propagate_op_sharding_non_cached(
+            OpSchema(op, args, {})
+        )
+        self.assertFalse(sharding.needs_redistribute, op)
+        return [
+            None if spec is None else tuple(spec.placements)
+            for spec in sharding.output_spec
+        ]
+
+    def forward_args(self, op, query, mask):
+        if op is torch.ops.aten._scaled_dot_product_flash_attention.default:
+            return (query, query, query, 0.0, False, False)
+        return (query, query, query, mask, True, 0.0, False)
+
+    def test_forward_rules(self):
+        aten = torch.ops.aten
+        ops = (
+            aten._scaled_dot_product_cudnn_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+        )
+        for op in ops:
+            for name, placement, query, mask in self.cases():
+                if "flash" in str(op) and mask is not None:
+                    continue  # The flash kernel takes no mask.
+                outputs = self.propagate(op, self.forward_args(op, query, mask))
+                # Output and log-sum-exp, as the queries.
+                self.assertEqual(outputs[:2], [(placement,)] * 2, (op, name))
+
+    def test_backward_rules(self):
+        aten = torch.ops.aten
+        length = self.SHAPE[2]
+        for name, placement, query, mask in self.cases():
+            lse = self.spec(self.SHAPE[:3], placement, torch.float32)
+            seed = self.spec((), Replicate(), torch.int64)
+            cudnn = self.propagate(
+                aten._scaled_dot_product_cudnn_attention_backward.default,
+                (query, query, query, query, query, lse, seed, seed, mask)
+                + (None, None, length, length, 0.0, False),
+            )
+            self.assertEqual(cudnn, [(placement,)] * 3, name)
+            wants_mask_grad = mask is not None
+            efficient = self.propagate(
+                aten._scaled_dot_product_efficient_attention_backward.default,
+                (query, query, query, query, mask, query, lse, seed, seed)
+                + (0.0, [True, True, True, wants_mask_grad], False),
+            )
+            self.assertEqual(efficient[:3], [(placement,)] * 3, name)
+            if mask is None:
+                self.assertIsNone(efficient[3])
+            elif mask.placements[0] == placement:
+                self.assertEqual(efficient[3], (placement,))
+            else:
+                # A broadcast mask's gradient sums over the query parts.
+                self.assertEqual(efficient[3], (Partial(),))
+
+    def test_flash_backward_keeps_torchs_rule(self):
+        aten = torch.ops.aten
+        length = self.SHAPE[2]
+        for name, placement, query, mask in self.cases():
+            if mask is not None:
+                continue
+            lse = self.spec(self.SHAPE[:3], placement, torch.float32)
+            seed = self.spec((), Replicate(), torch.int64)
+            grads = self.propagate(
+                aten._scaled_dot_product_flash_attention_backward.default,
+                (query, query, query, query, query, lse, None, None)
+                + (length, length, 0.0, False, seed, seed),
+            )
+            self.assertEqual(grads, [(placement,)] * 3, name)
+
+    def test_masked_kernels_take_these_rules(self):
+        """The four kernels with a mask take this module's rules; the flash
+        kernels keep torch's (registered by DTensor itself)."""
+        aten = torch.ops.aten
+        funcs = self.propagator.op_strategy_funcs
+        for op in sharding_rules._cuda_attention_rules():
+            self.assertNotEqual(
+                funcs[op].__module__,
+                "torch.distributed.tensor._ops._matrix_ops",
+                op,
+            )
+        for op in (
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_backward.default,
+        ):
+            self.assertEqual(
+                funcs[op].__module__,
+                "torch.distributed.tensor._ops._matrix_ops",
+                op,
+            )
