@@ -85,7 +85,11 @@ for iteration in range(1, iterations + 1):
             result = "ok"
         except harness.WorkerFailure as failure:
             result = outcome(failure)
+            # The whole output (every rank's message), kept for diagnosis.
+            with open(os.path.join(work, "failure.txt"), "w") as f:
+                f.write(str(failure))
             print(str(failure)[-3000:], flush=True)
+            print(f"whole output: {work}/failure.txt", flush=True)
         counts[result] += 1
         print(
             f"iteration {iteration} {worker} debug={debug}: {result} "
