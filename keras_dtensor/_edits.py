@@ -135,6 +135,17 @@ def edit_tensor_layout_multi_axis(module):
     module.TensorLayout._validate_axes = _validate_axes
 
 
+def _resolve_variable_layout(variable, distribution):
+    """Sets a variable's layout from `distribution` if it has none.
+
+    Returns whether the variable has a layout: an explicit `layout=`
+    argument, else the distribution's `get_variable_layout`.
+    """
+    if variable._layout is None and distribution is not None:
+        variable._layout = distribution.get_variable_layout(variable)
+    return variable._layout is not None
+
+
 def edit_variable_initialize(core):
     """Variables are created as DTensor parameters in their layout.
 
@@ -147,13 +158,12 @@ def edit_variable_initialize(core):
     upstream_initialize = core.Variable._initialize
 
     def _initialize(self, value):
-        if self._layout is None:
-            distribution = current_distribution()
-            if distribution is None:
-                return upstream_initialize(self, value)
+        distribution = current_distribution()
+        if self._layout is None and distribution is not None:
             # `get_variable_layout` reads the shape, which may not be set yet.
             self._shape = self._validate_shape(value.shape)
-            self._layout = distribution.get_variable_layout(self)
+        if not _resolve_variable_layout(self, distribution):
+            return upstream_initialize(self, value)
         value = core.convert_to_tensor(value, dtype=self._dtype)
         self._value = _torch_distribution_lib().distribute_variable(
             value, self._layout, trainable=self.trainable, path=self.path
@@ -176,10 +186,7 @@ def edit_variable_initialize_shard_by_shard(core):
     )
 
     def _initialize_with_initializer(self, initializer):
-        distribution = current_distribution()
-        if self._layout is None and distribution is not None:
-            self._layout = distribution.get_variable_layout(self)
-        if self._layout is not None:
+        if _resolve_variable_layout(self, current_distribution()):
             shard = _torch_distribution_lib().initialize_variable_shard(
                 initializer, self._shape, self._dtype, self._layout, self.path
             )

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
+from keras.src.backend.torch import sharding_rules
 
 # Whether `replicate_created_tensors` is active, per thread.
 _STATE = threading.local()
@@ -320,16 +321,10 @@ def _align_attention_mask(args, kwargs):
         for x in (query, key, value)
     )
     mask_placements = [
-        p if p.is_shard() and _mask_splits(mask.shape, p.dim) else Replicate()
-        for p in placements
+        sharding_rules.mask_placement(mask, p) for p in placements
     ]
     kwargs = dict(kwargs, attn_mask=mask.redistribute(mesh, mask_placements))
     return (query, key, value, *args[3:]), kwargs
-
-
-def _mask_splits(mask_shape, dim):
-    """Whether an attention mask has dimension `dim` (batch or head)."""
-    return len(mask_shape) == 4 and mask_shape[dim] > 1
 
 
 def _created_from_python_values(value, args, kwargs):

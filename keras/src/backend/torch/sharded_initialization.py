@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from keras.src import initializers
 from keras.src.backend.common.variables import standardize_dtype
+from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch.created_tensors import replicating_created_tensors
 
 # Output bytes of one chunk of rows: the working buffer's scale.
@@ -100,7 +101,7 @@ def initialize_variable_shard(initializer, shape, dtype, layout):
         layout.placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous_strides(shape),
+        stride=dtensor_layouts.contiguous_strides(shape),
     )
 
 
@@ -176,15 +177,6 @@ def _log_fallback(initializer, shape, reason):
 def _row_count(shape):
     """Elements in one row (index of the first dimension) of `shape`."""
     return math.prod(shape[1:])
-
-
-def _contiguous_strides(shape):
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 class _NotSplittable(Exception):
@@ -324,9 +316,7 @@ class _RandomStream:
         limit = self.grouped if self.normal else self.numel
         if self.drawn < limit:
             count = min(_SKIP_VALUES, limit - self.drawn)
-            block = self._random(torch.normal if self.normal else torch.rand)(
-                count
-            )
+            block = self._draw_values(self.normal, count)
             self.values = torch.cat([self.values, block])
             self.drawn += count
         elif not self.tail_done:
@@ -336,8 +326,8 @@ class _RandomStream:
 
     def _redraw_tail(self):
         """The last 16 normal values, as torch recomputes them."""
-        self._random(torch.rand)(self.numel - self.grouped)
-        tail = self._random(torch.normal)(_NORMAL_GROUP)
+        self._draw_values(False, self.numel - self.grouped)
+        tail = self._draw_values(True, _NORMAL_GROUP)
         tail_start = self.numel - _NORMAL_GROUP
         keep = max(tail_start - self._first(), 0)
         skip = max(self._first() - tail_start, 0)
@@ -345,14 +335,9 @@ class _RandomStream:
         self.drawn = self.numel
         self.tail_done = True
 
-    def _random(self, func):
-        """`func` (`torch.rand` or `torch.normal`) drawing `count` values."""
-
-        def draw(count):
-            if func is torch.rand:
-                return torch.rand(
-                    size=(count,), generator=self.generator, dtype=self.dtype
-                )
+    def _draw_values(self, normal, count):
+        """`count` normal (else uniform) values from the generator."""
+        if normal:
             return torch.normal(
                 self.mean,
                 self.std,
@@ -360,5 +345,6 @@ class _RandomStream:
                 generator=self.generator,
                 dtype=self.dtype,
             )
-
-        return draw
+        return torch.rand(
+            size=(count,), generator=self.generator, dtype=self.dtype
+        )

@@ -173,13 +173,11 @@ def _attention_strategies(num_outputs, num_inputs, args, kwargs):
     """
     mask = kwargs.get("attn_mask")
     strategies = []
-    for placement in (Replicate(), Shard(0), Shard(1)):
-        mask_placement = Replicate()
-        if mask is not None and placement.is_shard():
-            if _mask_splits(mask.shape, placement.dim):
-                mask_placement = placement
+    for placement in _ATTENTION_PLACEMENTS:
         others = [None] * len(args) + [
-            mask_placement if isinstance(v, DTensorSpec) else None
+            mask_placement(mask, placement)
+            if isinstance(v, DTensorSpec)
+            else None
             for v in kwargs.values()
         ]
         strategies.append(
@@ -193,7 +191,7 @@ def _attention_strategies(num_outputs, num_inputs, args, kwargs):
 _ATTENTION_PLACEMENTS = (Replicate(), Shard(0), Shard(1))
 
 
-def _mask_placement(mask, placement):
+def mask_placement(mask, placement):
     """Where the queries are laid out as `placement`, the mask's placement.
 
     A mask is split like the queries along a batch or head dimension of its
@@ -207,17 +205,17 @@ def _mask_placement(mask, placement):
 
 
 def _mask_grad_placement(mask, placement):
-    """The placement of a mask's gradient, for `_mask_placement`'s layout.
+    """The placement of a mask's gradient, for `mask_placement`'s layout.
 
     A mask replicated while the queries are split gets a gradient that
     sums over the processes' parts: a partial sum.
     """
-    mask_placement = _mask_placement(mask, placement)
-    if mask_placement is None:
+    placement_of_mask = mask_placement(mask, placement)
+    if placement_of_mask is None:
         return None
-    if placement.is_shard() and not mask_placement.is_shard():
+    if placement.is_shard() and not placement_of_mask.is_shard():
         return Partial()
-    return mask_placement
+    return placement_of_mask
 
 
 def _cudnn_attention_sharding(
@@ -234,7 +232,7 @@ def _cudnn_attention_sharding(
     for p in _ATTENTION_PLACEMENTS:
         outputs = [p, p if compute_log_sumexp else Replicate()]
         outputs += [None] * 6 + [p if return_debug_mask else None]
-        inputs = [p, p, p, _mask_placement(attn_bias, p), None]
+        inputs = [p, p, p, mask_placement(attn_bias, p), None]
         strategies.append((outputs, inputs + _nones(args, kwargs)))
     return strategies
 
@@ -260,7 +258,7 @@ def _cudnn_attention_backward_sharding(
     strategies = []
     for p in _ATTENTION_PLACEMENTS:
         inputs = [p] * 6 + [Replicate(), Replicate()]
-        inputs.append(_mask_placement(attn_bias, p))
+        inputs.append(mask_placement(attn_bias, p))
         strategies.append(([p] * 3, inputs + _nones(args, kwargs)))
     return strategies
 
@@ -276,7 +274,7 @@ def _efficient_attention_sharding(
     strategies = []
     for p in _ATTENTION_PLACEMENTS:
         outputs = [p, p if compute_log_sumexp else Replicate(), None, None]
-        inputs = [p, p, p, _mask_placement(attn_bias, p), None]
+        inputs = [p, p, p, mask_placement(attn_bias, p), None]
         strategies.append((outputs, inputs + _nones(args, kwargs)))
     return strategies
 
@@ -302,7 +300,7 @@ def _efficient_attention_backward_sharding(
     strategies = []
     for p in _ATTENTION_PLACEMENTS:
         outputs = [p, p, p, _mask_grad_placement(attn_bias, p)]
-        inputs = [p, p, p, p, _mask_placement(attn_bias, p), p, p]
+        inputs = [p, p, p, p, mask_placement(attn_bias, p), p, p]
         inputs += [Replicate(), Replicate()]
         strategies.append((outputs, inputs + _nones(args, kwargs)))
     return strategies
