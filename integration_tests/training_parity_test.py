@@ -149,6 +149,41 @@ def test_same_initial_weights(case):
         )
 
 
+def test_layers_local_to_each_batch_shard_ran_locally(launches):
+    """Layers proven local to each batch shard ran on local tensors.
+
+    Under DataParallel the whole MLP runs locally (its losses and weights
+    equal one process's in the tests above); with `Dropout`, which draws
+    random values in training, the model and the dropout layer train on
+    DTensors and the dense layers locally (the unit tests of `batch_local`
+    check that a draw keeps a layer on DTensors). The verdicts are the
+    same on every rank. Without a distribution nothing is judged.
+    """
+    references, reports = launches
+    for nprocs, runs in RUNS.items():
+        for spec in runs:
+            names = [
+                harness.run_values(report, spec)["local_layers"]
+                for report in reports[nprocs]
+            ]
+            assert all(n == names[0] for n in names), (spec, names)
+            names = names[0]
+            if spec == "dp:mlp:adamw:dropout":
+                # In training only the dense layers; in `evaluate` and
+                # `predict`, where dropout draws nothing, all of them.
+                assert set(LAYER_NAMES) <= set(names), names
+            elif spec.startswith("dp:"):
+                model_names = [n for n in names if n not in LAYER_NAMES]
+                assert len(model_names) == 1, (spec, names)
+                assert set(names) - set(model_names) <= set(LAYER_NAMES)
+    for spec in {single(spec) for runs in RUNS.values() for spec in runs}:
+        assert harness.run_values(references, spec)["local_layers"] == []
+
+
+# The MLP's layer names (the functional model's own name is generated).
+LAYER_NAMES = ("up", "down", "head")
+
+
 def test_sharded_variables_are_created_shard_by_shard(launches):
     """Under `mp` and `2d`, sharded variables were created shard by shard.
 

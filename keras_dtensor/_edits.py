@@ -309,6 +309,32 @@ def edit_trainer_step_functions(trainer_module):
         wrap_maker(kind)
 
 
+def edit_layer_call_runs_batch_local(layer_module):
+    """Inside a distributed step, layer calls go through `batch_local`.
+
+    A layer whose first call with a given signature computed each batch
+    shard alone (no collective, replicated variables, no random draw or
+    state change) runs on local tensors from then on; see
+    `keras.src.backend.torch.batch_local`. Outside a distributed step, and
+    without a distribution, the call is upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    current_distribution = distribution_accessor()
+    from keras.src.backend.torch import batch_local
+    from keras.src.backend.torch import created_tensors
+
+    upstream_call = layer_module.Layer.__call__
+    in_step = created_tensors.replicating_created_tensors
+
+    def __call__(self, *args, **kwargs):
+        if current_distribution() is None or not in_step():
+            return upstream_call(self, *args, **kwargs)
+        return batch_local.call_layer(self, upstream_call, args, kwargs)
+
+    layer_module.Layer.__call__ = __call__
+
+
 def edit_layer_call_distributes_inputs(layer_module):
     """A direct call of a model or layer takes the global batch.
 
@@ -559,7 +585,10 @@ POST_IMPORT_EDITS = {
     ],
     "keras.src.trainers.trainer": lambda: [edit_metrics_result_in_step_context],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
-    "keras.src.layers.layer": lambda: [edit_layer_call_distributes_inputs],
+    "keras.src.layers.layer": lambda: [
+        edit_layer_call_runs_batch_local,
+        edit_layer_call_distributes_inputs,
+    ],
     "keras.src.callbacks.progbar_logger": lambda: [
         edit_progbar_on_process_zero
     ],

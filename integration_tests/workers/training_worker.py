@@ -289,6 +289,27 @@ def train(run):
     # process's part of it).
     direct = model(x_local[: batch_size(run)])
     run.record("direct_call", keras.ops.convert_to_numpy(direct))
+    run.record("local_layers", local_layer_names(model))
+
+
+def local_layer_names(model):
+    """Names of the model's layers that ran on local tensors at least once.
+
+    See `keras/src/backend/torch/batch_local.py`: a layer runs locally
+    once its first call with a signature proved it local to each batch
+    shard.
+    """
+    from keras.src.backend.torch import batch_local
+
+    layers = [model] + list(model._flatten_layers(include_self=False))
+    return sorted(
+        layer.name
+        for layer in layers
+        if any(
+            verdict is not None
+            for verdict in batch_local._VERDICTS.get(layer, {}).values()
+        )
+    )
 
 
 def main():

@@ -60,15 +60,55 @@ def replicate_created_tensors(device_mesh):
         return
     _STATE.active = True
     try:
-        with _ReplicateCreatedTensors(device_mesh.backend_mesh):
+        with _ReplicateCreatedTensors(device_mesh.backend_mesh) as mode:
+            _STATE.mode = mode
             yield
     finally:
         _STATE.active = False
+        _STATE.mode = None
 
 
 def replicating_created_tensors():
     """Whether `replicate_created_tensors` is active."""
     return getattr(_STATE, "active", False)
+
+
+def current_mode():
+    """The mode of `replicate_created_tensors`, if it is the innermost one.
+
+    None outside the context, and where another torch function mode was
+    entered inside it.
+    """
+    if not replicating_created_tensors():
+        return None
+    mode = _STATE.mode
+    if torch.overrides._get_current_function_mode() is not mode:
+        return None
+    return mode
+
+
+@contextlib.contextmanager
+def suspended():
+    """Inside, torch functions run without the mode: tensors stay plain.
+
+    For code that runs on local shards (`batch_local`). The mode must be
+    the innermost torch function mode (`current_mode()` is not None).
+    """
+    _STATE.active = False
+    try:
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    finally:
+        _STATE.active = True
+
+
+def draw_count():
+    """How many random draws the mode has seen on this thread."""
+    return getattr(_STATE, "draws", 0)
+
+
+def _count_draw():
+    _STATE.draws = draw_count() + 1
 
 
 class _ReplicateCreatedTensors(TorchFunctionMode):
@@ -200,6 +240,7 @@ def _draw_random(mode, func, args, kwargs):
     reproducible. No plain tensor is involved, so `implicit_replication`
     does not help. `normal` made from Python values is a factory.
     """
+    _count_draw()
     if mode.draws_locally(args):
         return mode.draw_for_global_shape(func, args, kwargs)
     if func is torch.normal:
@@ -213,9 +254,16 @@ def _dropout(mode, func, args, kwargs):
     As for `_draw_random`: DTensor's CPU dropout would draw each shard's
     mask from the same generator state.
     """
+    _count_draw()
     if mode.draws_locally(args):
         return mode.dropout(*args, **kwargs)
     return func(*args, **kwargs)
+
+
+def _create_random(mode, func, args, kwargs):
+    """A random factory's draw is counted (`draw_count`), then created."""
+    _count_draw()
+    return _create(mode, func, args, kwargs)
 
 
 def _repeat_interleave(mode, func, args, kwargs):
@@ -370,15 +418,18 @@ _CREATION_FUNCTIONS = (
     torch.linspace,
     torch.logspace,
     torch.ones,
-    torch.rand,
-    torch.randint,
-    torch.randn,
-    torch.randperm,
     torch.scalar_tensor,
     torch.tensor,
     torch.tril_indices,
     torch.triu_indices,
     torch.zeros,
+)
+# Torch functions that create a tensor of random values.
+_RANDOM_CREATION_FUNCTIONS = (
+    torch.rand,
+    torch.randint,
+    torch.randn,
+    torch.randperm,
 )
 # Torch functions that draw random values for a tensor argument.
 _RANDOM_FUNCTIONS = (
@@ -394,6 +445,7 @@ _RANDOM_FUNCTIONS = (
 # function's result; other functions are called as they are.
 _HANDLERS = {
     **{func: _create for func in _CREATION_FUNCTIONS},
+    **{func: _create_random for func in _RANDOM_CREATION_FUNCTIONS},
     **{func: _draw_random for func in _RANDOM_FUNCTIONS},
     torch.nn.functional.dropout: _dropout,
     torch.repeat_interleave: _repeat_interleave,

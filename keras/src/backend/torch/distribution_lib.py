@@ -12,7 +12,8 @@ devices, `initialize`, the `_to_backend_*` conversions and the
 `dtensor_layouts` (layouts as placements, checked by
 `keras.src.distribution.layout_validation`), `batch_distribution` (input
 batches), `collectives` (`all_reduce`, `all_gather`), `created_tensors`
-(the step's torch function mode), `sharded_initialization` (variables
+(the step's torch function mode), `batch_local` (layers proven local to
+each batch shard, run on plain tensors), `sharded_initialization` (variables
 created shard by shard) and `sharding_rules` (DTensor rules, registered
 when the first mesh is made).
 
@@ -33,7 +34,8 @@ expected size"), and a hang or wrong numbers on NCCL. Hence:
   gradient buckets (`gradient_buckets`) are filled and sent by autograd's
   hooks in the order the engine accumulates gradients, which on CPU runs
   on the thread that called backward; batch-end callbacks run on the main
-  thread.
+  thread. A layer runs on local tensors (`batch_local`) only where its
+  first call issued no collective, a verdict every process reaches alike.
 - A process that stops taking part (it died, or skipped a call) makes the
   others fail within `KERAS_DTENSOR_TIMEOUT_SECONDS`, never hang.
 """
@@ -49,6 +51,7 @@ from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import batch_distribution
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
 from keras.src.backend.torch import process_group
@@ -292,6 +295,7 @@ def assign_to_variable(parameter, value):
         parameter: the DTensor parameter of a variable.
         value: a torch tensor, numpy array or DTensor of the same shape.
     """
+    batch_local.note_effect()
     layout = dtensor_layouts.DTensorLayout(
         parameter.device_mesh, tuple(parameter.placements), None, None
     )
@@ -328,6 +332,7 @@ def distribute_tensor(tensor, layout):
     if layout is None:
         return tensor
     layout = dtensor_layouts.backend_layout(layout)
+    batch_local.note_effect()
 
     def distribute_one(x):
         if isinstance(x, np.ndarray):

@@ -1,0 +1,452 @@
+"""Layers that compute each batch shard alone run on local tensors.
+
+Under a distribution every operator of a step runs on DTensors, and
+DTensor's dispatch costs Python time on each of them. Most layers of a
+data-parallel model compute each example from that example alone, with
+replicated variables: DTensor then runs every operator on each process's
+own shard and communicates nothing, so its dispatch buys nothing. Such a
+layer runs on plain local tensors instead, as DDP runs a module, and its
+backward pass runs on plain tensors too.
+
+Which layers these are is decided by DTensor, not by a list of layer
+classes. The first call of a layer with a given signature (the global
+shapes, dtypes and placements of its tensor arguments, its other
+arguments, and the `training` mode of the call context it inherits) runs
+on DTensors as usual, and is watched. From the next call
+with that signature on, the layer runs locally if the watched call:
+
+- took tensor arguments that are all DTensors on the step's mesh with the
+  same placements (the batch placements: split along dimension 0, or
+  replicated), none with a Keras mask, and gave tensor outputs that are
+  all DTensors with those placements and no Keras mask;
+- issued no collective (the sequence numbers of the mesh's process
+  groups did not move);
+- holds only replicated DTensor variables and assigned no variable (no
+  assignment to a DTensor variable, and its own variables' version
+  counters did not move), drew no random values (the
+  default generators' states did not move, and the step's torch function
+  mode saw no draw), and added no loss;
+- laid out no tensor (no `<layer path>/output` layout applied inside it)
+  and recomputes no activations (no remat mode on it or a sublayer).
+
+Such a call ran, on every process, the same local operators on the same
+local shards as a plain call of the layer on those shards would. A local
+call therefore gives the values of the DTensor call: it reads variables as
+local views (`DTensor.to_local`, whose gradient is `Partial` on the mesh
+axes that split the batch, as DTensor's own gradient of a replicated
+variable used with split inputs is) through a Keras `StatelessScope`, runs
+with `replicate_created_tensors` suspended, and returns its outputs as
+DTensors with the placements and global shapes of the watched call.
+
+Collectives: a local call issues none; the watched call issues those of
+the DTensor call. A verdict depends only on the program and the global
+shapes, so every process takes the same path, and the layers' collectives
+stay in lockstep.
+"""
+
+import copy
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch import created_tensors
+
+# Layer -> {call signature: _Verdict, or None where the layer must run on
+# DTensors}.
+_VERDICTS = weakref.WeakKeyDictionary()
+
+# Variable value (a DTensor) -> {gradient placements: DTensorSpec}.
+_GRADIENT_SPECS = WeakTensorKeyDictionary()
+
+# Argument values other than tensors that a signature holds as they are.
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class _NotLocal(Exception):
+    """A call's arguments rule out a local call."""
+
+
+def call_layer(layer, upstream_call, args, kwargs):
+    """Calls `layer` inside a distributed step: locally where proven exact.
+
+    Args:
+        layer: the Keras layer.
+        upstream_call: upstream `Layer.__call__`.
+        args: the positional arguments of the call.
+        kwargs: the keyword arguments of the call.
+
+    Returns:
+        The layer's outputs, as DTensors wherever the call took DTensors.
+    """
+    mode = created_tensors.current_mode()
+    if mode is None or torch.compiler.is_compiling():
+        return upstream_call(layer, *args, **kwargs)
+    try:
+        leaves = []
+        # A sublayer takes `training` from its caller's call context.
+        context = global_state.get_global_attribute("current_call_ctx")
+        training = None if context is None else context.training
+        signature = _signature((args, kwargs, training), leaves)
+        placements = _batch_placements(leaves, mode.mesh)
+    except _NotLocal:
+        return upstream_call(layer, *args, **kwargs)
+    verdicts = _VERDICTS.setdefault(layer, {})
+    if signature not in verdicts:
+        outputs, verdicts[signature] = _watch(
+            layer, upstream_call, args, kwargs, placements, mode.mesh
+        )
+        return outputs
+    verdict = verdicts[signature]
+    if verdict is None:
+        return upstream_call(layer, *args, **kwargs)
+    return _call_locally(layer, upstream_call, args, kwargs, verdict)
+
+
+def _signature(value, leaves):
+    """A hashable signature of call arguments; DTensors go to `leaves`.
+
+    Raises:
+        _NotLocal: for a plain tensor, a Keras mask or any other object
+            whose effect on the call cannot be told from its value.
+    """
+    if isinstance(value, DTensor):
+        if getattr(value, "_keras_mask", None) is not None:
+            raise _NotLocal
+        leaves.append(value)
+        return (DTensor, value.shape, value.dtype, value.placements)
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value),) + tuple(_signature(x, leaves) for x in value)
+    if isinstance(value, dict):
+        return (dict,) + tuple(
+            (key, _signature(x, leaves)) for key, x in value.items()
+        )
+    raise _NotLocal
+
+
+def _batch_placements(leaves, mesh):
+    """The one placement tuple of the DTensor arguments, if it is allowed.
+
+    Raises:
+        _NotLocal: without DTensor arguments, with several placements, on
+            another mesh, or with a split along a dimension other than 0.
+    """
+    if not leaves:
+        raise _NotLocal
+    placements = leaves[0].placements
+    for leaf in leaves:
+        if leaf.placements != placements or leaf.device_mesh != mesh:
+            raise _NotLocal
+    for placement in placements:
+        if not (placement.is_replicate() or placement.is_shard(0)):
+            raise _NotLocal
+    return placements
+
+
+class _Verdict:
+    """How a layer's local call lays out its outputs.
+
+    Attributes:
+        mesh: the step's DTensor mesh.
+        placements: the batch placements of inputs and outputs.
+        gradient_placements: the placements of the gradients of the local
+            views of variables: `Partial` on mesh axes that split the
+            batch, `Replicate` on the others.
+        outputs: per tensor output, in flattening order, its local shape,
+            global shape and global stride in the watched call.
+    """
+
+    def __init__(self, mesh, placements, outputs):
+        self.mesh = mesh
+        self.placements = placements
+        self.gradient_placements = tuple(
+            Partial() if p.is_shard() else Replicate() for p in placements
+        )
+        self.outputs = outputs
+
+
+def _watch(layer, upstream_call, args, kwargs, placements, mesh):
+    """Calls the layer on DTensors and judges whether it may run locally.
+
+    Returns:
+        The outputs, and the `_Verdict` (None: the layer must run on
+        DTensors with this signature).
+    """
+    before = _Snapshot(layer, mesh)
+    outputs = upstream_call(layer, *args, **kwargs)
+    verdict = None
+    if before.unchanged(layer):
+        output_specs = _output_specs(outputs, placements, mesh)
+        if output_specs is not None:
+            verdict = _Verdict(mesh, placements, output_specs)
+    return outputs, verdict
+
+
+class _Snapshot:
+    """What a watched call must leave unchanged to be local."""
+
+    def __init__(self, layer, mesh):
+        self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self.sequence = self._sequence_numbers()
+        self.generators = _generator_states()
+        self.draws = created_tensors.draw_count()
+        self.effects = _effect_count()
+        self.variables = _replicated_variable_versions(layer)
+        self.losses = _loss_count(layer)
+
+    def _sequence_numbers(self):
+        return [g._get_sequence_number_for_group() for g in self.groups]
+
+    def unchanged(self, layer):
+        """Whether the call communicated, drew, assigned or relaid nothing."""
+        if self.variables is None or _remat_anywhere(layer):
+            return False
+        return (
+            self._sequence_numbers() == self.sequence
+            and created_tensors.draw_count() == self.draws
+            and _effect_count() == self.effects
+            and _same_versions(
+                _replicated_variable_versions(layer), self.variables
+            )
+            and _loss_count(layer) == self.losses
+            and _same_states(_generator_states(), self.generators)
+        )
+
+
+def _replicated_variable_versions(layer):
+    """The layer's variables' values and their versions.
+
+    None unless every value is a replicated DTensor. An assignment either
+    replaces a value or writes into its local tensor (a new version).
+    """
+    versions = []
+    for variable in layer.variables:
+        value = variable._value
+        if not isinstance(value, DTensor) or not all(
+            p.is_replicate() for p in value.placements
+        ):
+            return None
+        versions.append((value, value._local_tensor._version))
+    return versions
+
+
+def _same_versions(first, second):
+    return (
+        first is not None
+        and second is not None
+        and len(first) == len(second)
+        and all(
+            a is b and version_a == version_b
+            for (a, version_a), (b, version_b) in zip(first, second)
+        )
+    )
+
+
+def _loss_count(layer):
+    """The number of losses added by the layer and its sublayers' calls."""
+    return sum(len(sub._losses) for sub in layer._flatten_layers())
+
+
+def _remat_anywhere(layer):
+    """Whether the layer or a sublayer recomputes activations."""
+    return any(
+        getattr(sub, "_remat_mode", None) is not None
+        for sub in layer._flatten_layers()
+    )
+
+
+def _generator_states():
+    """The states of the default random generators (CPU, current CUDA)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _same_states(first, second):
+    return len(first) == len(second) and all(
+        torch.equal(a, b) for a, b in zip(first, second)
+    )
+
+
+def note_effect():
+    """Counts an effect that a local call could not reproduce.
+
+    Called for each relayout (`distribute_tensor`: a `<layer path>/output`
+    layout would take a local tensor for a global one) and each assignment
+    to a DTensor variable (a local call would compute it from one shard).
+    A watched call during which one happened is not local.
+    """
+    count = global_state.get_global_attribute("batch_local_effects", 0)
+    global_state.set_global_attribute("batch_local_effects", count + 1)
+
+
+def _effect_count():
+    return global_state.get_global_attribute("batch_local_effects", 0)
+
+
+def _output_specs(outputs, placements, mesh):
+    """Per tensor output its local and global shape and global stride.
+
+    Returns None unless every tensor output is a DTensor on `mesh` with
+    `placements` and no Keras mask.
+    """
+    specs = []
+    for leaf in _tensor_leaves(outputs):
+        if (
+            not isinstance(leaf, DTensor)
+            or leaf.placements != placements
+            or leaf.device_mesh != mesh
+            or getattr(leaf, "_keras_mask", None) is not None
+        ):
+            return None
+        specs.append((leaf._local_tensor.shape, leaf.shape, leaf.stride()))
+    return tuple(specs) if specs else None
+
+
+def _tensor_leaves(value):
+    """The tensors in nested tuples, lists and dicts, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return []
+    return [leaf for item in value for leaf in _tensor_leaves(item)]
+
+
+def _call_locally(layer, upstream_call, args, kwargs, verdict):
+    """Runs the layer on local shards and lays its outputs out again."""
+    args, kwargs = _map_tensors((args, kwargs), DTensor.to_local)
+    with _LocalVariables(layer, verdict.gradient_placements):
+        with created_tensors.suspended():
+            outputs = upstream_call(layer, *args, **kwargs)
+    specs = iter(verdict.outputs)
+
+    def to_dtensor(local):
+        local_shape, shape, stride = next(specs)
+        if local.shape != local_shape:
+            raise RuntimeError(
+                f"Layer '{layer.path}' ran on local shards and returned "
+                f"shape {tuple(local.shape)} where its first call returned "
+                f"{tuple(local_shape)} per process. Its call depends on "
+                "something other than its arguments and variables."
+            )
+        return DTensor.from_local(
+            local,
+            verdict.mesh,
+            verdict.placements,
+            run_check=False,
+            shape=shape,
+            stride=stride,
+        )
+
+    return _map_tensors(outputs, to_dtensor)
+
+
+def _map_tensors(value, function):
+    """`value` with `function` applied to its tensors (tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(x, function) for x in value)
+    if isinstance(value, list):
+        return [_map_tensors(x, function) for x in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(x, function) for k, x in value.items()}
+    return value
+
+
+class _LocalVariables(StatelessScope):
+    """A `StatelessScope` that reads each variable as its local view.
+
+    The view of a replicated DTensor variable is its local tensor, whose
+    gradient goes back to the variable as a DTensor with
+    `gradient_placements`.
+    """
+
+    def __init__(self, layer, gradient_placements):
+        super().__init__(initialize_variables=False)
+        self.layer = layer
+        self.gradient_placements = gradient_placements
+
+    def get_current_value(self, variable):
+        view = self.state_mapping.get(id(variable))
+        if view is None:
+            value = variable._value
+            if not isinstance(value, DTensor) or not all(
+                p.is_replicate() for p in value.placements
+            ):
+                raise RuntimeError(
+                    f"Layer '{self.layer.path}' runs on local shards but "
+                    f"read variable '{variable.path}', which is not a "
+                    "replicated DTensor and is not one of its variables."
+                )
+            view = _LocalView.apply(
+                value, _gradient_spec(value, self.gradient_placements)
+            )
+            self.state_mapping[id(variable)] = view
+        return view
+
+    def add_update(self, update):
+        variable, _ = update
+        raise RuntimeError(
+            f"Layer '{self.layer.path}' runs on local shards but assigned "
+            f"variable '{variable.path}', which its first call did not."
+        )
+
+
+def _gradient_spec(value, placements):
+    """The spec of the gradient of `value`'s local view, made once."""
+    specs = _GRADIENT_SPECS.setdefault(value, {})
+    spec = specs.get(placements)
+    if spec is None:
+        spec = _spec(value.device_mesh, placements, value)
+        specs[placements] = spec
+    return spec
+
+
+def _spec(mesh, placements, tensor):
+    """A spec of `tensor`'s shape, stride and dtype (global = local here)."""
+    return DTensorSpec(
+        mesh,
+        placements,
+        tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype),
+    )
+
+
+class _LocalView(torch.autograd.Function):
+    """The local tensor of a replicated DTensor variable, for a local call.
+
+    As `DTensor.to_local(grad_placements=...)`, with the gradient's spec
+    made once per variable rather than twice per backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, value, gradient_spec):
+        ctx.gradient_spec = gradient_spec
+        ctx.set_materialize_grads(False)
+        local = value._local_tensor
+        # A new tensor object: autograd writes its metadata into it.
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        spec = ctx.gradient_spec
+        if grad.stride() == spec.tensor_meta.stride:
+            # A copy, as DTensor does: specs are not shared between tensors.
+            spec = copy.copy(spec)
+        else:
+            spec = _spec(spec.mesh, spec.placements, grad)
+        return DTensor(grad, spec, requires_grad=False), None

@@ -1,0 +1,176 @@
+"""Tests of `batch_local` on a one-process mesh."""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+
+from keras.src import layers
+from keras.src import models
+from keras.src import testing
+from keras.src.backend.torch import batch_local
+from keras.src.backend.torch import created_tensors
+from keras.src.distribution import distribution_lib as distribution_api
+
+
+class BatchLocalTest(testing.TestCase):
+    """Layers proven local to each batch shard run on local tensors."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        distribution_api.set_distribution(
+            distribution_api.DataParallel(device_mesh=self.mesh)
+        )
+        self.addCleanup(distribution_api.set_distribution, None)
+
+    def batch(self, shape, seed=0):
+        values = np.random.default_rng(seed).normal(size=shape)
+        return distribute_tensor(
+            torch.as_tensor(values.astype("float32")),
+            self.mesh.backend_mesh,
+            [Shard(0)],
+        )
+
+    def call_in_step(self, layer, *args, **kwargs):
+        with created_tensors.replicate_created_tensors(self.mesh):
+            return layer(*args, **kwargs)
+
+    def verdicts(self, layer):
+        return list(batch_local._VERDICTS.get(layer, {}).values())
+
+    def test_dense_stack_runs_locally_after_its_first_call(self):
+        model = models.Sequential(
+            [layers.Dense(8, activation="relu"), layers.Dense(3)]
+        )
+        model.build((None, 5))
+        x = self.batch((4, 5))
+        watched = self.call_in_step(model, x)
+        self.assertEqual(len(self.verdicts(model)), 1)
+        self.assertIsNotNone(self.verdicts(model)[0])
+        local = self.call_in_step(model, x)
+        self.assertIsInstance(local, DTensor)
+        self.assertEqual(tuple(local.placements), (Shard(0),))
+        self.assertEqual(tuple(local.shape), (4, 3))
+        self.assertAllClose(
+            local.to_local().detach().numpy(),
+            watched.to_local().detach().numpy(),
+        )
+
+    def test_local_gradients_are_partial_and_equal_dtensor_ones(self):
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        x = self.batch((4, 5))
+        gradients = []
+        for _ in range(2):  # watched, then local
+            dense.kernel.value.grad = None
+            out = self.call_in_step(dense, x)
+            (out * out).sum().backward()
+            gradients.append(dense.kernel.value.grad)
+        # The local view's gradient is Partial; the gradient buckets have
+        # reduced it into the variable's layout, as the DTensor one.
+        self.assertEqual(gradients[1].placements, gradients[0].placements)
+        self.assertAllClose(
+            gradients[1].full_tensor().numpy(),
+            gradients[0].full_tensor().numpy(),
+        )
+
+    def test_new_signature_is_watched_again(self):
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        self.call_in_step(dense, self.batch((4, 5)))
+        self.call_in_step(dense, self.batch((2, 5)))
+        self.assertEqual(len(self.verdicts(dense)), 2)
+
+    def test_random_draws_keep_dtensors(self):
+        dropout = layers.Dropout(0.5, seed=3)
+        self.call_in_step(dropout, self.batch((4, 5)), training=True)
+        self.assertEqual(self.verdicts(dropout), [None])
+        unseeded = layers.Dropout(0.5)
+        self.call_in_step(unseeded, self.batch((4, 5)), training=True)
+        self.assertEqual(self.verdicts(unseeded), [None])
+
+    def test_training_mode_of_the_call_context_is_in_the_signature(self):
+        dropout = layers.Dropout(0.5, seed=3)
+        model = models.Sequential([layers.Dense(5), dropout])
+        model.build((None, 5))
+        x = self.batch((4, 5))
+        self.call_in_step(model, x, training=False)
+        self.call_in_step(model, x, training=True)
+        # The sublayer inherits `training`: inference ran locally, training
+        # drew random values.
+        verdicts = self.verdicts(dropout)
+        self.assertEqual(len(verdicts), 2)
+        self.assertIsNotNone(verdicts[0])
+        self.assertIsNone(verdicts[1])
+
+    def test_assignments_keep_dtensors(self):
+        model = models.Sequential([layers.Dense(5)])
+        model.build((None, 5))
+        counter = model.add_weight(shape=(), initializer="zeros")
+
+        class Counting(layers.Layer):
+            def call(self, x):
+                counter.assign_add(1.0)
+                return x
+
+        counting = Counting()
+        self.call_in_step(counting, self.batch((4, 5)))
+        self.assertEqual(self.verdicts(counting), [None])
+
+    def test_state_updates_keep_dtensors(self):
+        norm = layers.BatchNormalization()
+        norm.build((None, 5))
+        self.call_in_step(norm, self.batch((4, 5)), training=True)
+        self.assertEqual(self.verdicts(norm), [None])
+        # In inference it computes each example alone.
+        self.call_in_step(norm, self.batch((4, 5)), training=False)
+        self.assertIsNotNone(self.verdicts(norm)[1])
+
+    def test_added_losses_and_remat_keep_dtensors(self):
+        regularized = layers.Dense(3, activity_regularizer="l2")
+        regularized.build((None, 5))
+        self.call_in_step(regularized, self.batch((4, 5)))
+        self.assertEqual(self.verdicts(regularized), [None])
+        recomputed = layers.Dense(3)
+        recomputed.build((None, 5))
+        recomputed._remat_mode = object()
+        self.assertTrue(batch_local._remat_anywhere(recomputed))
+
+    def test_local_view_gradient_is_partial(self):
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        value = dense.kernel.value
+        placements = (Partial(),)
+        view = batch_local._LocalView.apply(
+            value, batch_local._gradient_spec(value, placements)
+        )
+        self.assertNotIsInstance(view, DTensor)
+        (gradient,) = torch.autograd.grad(view.sum(), value)
+        self.assertEqual(tuple(gradient.placements), placements)
+        self.assertAllClose(gradient.to_local().numpy(), np.ones((5, 3)))
+
+    def test_calls_without_a_distribution_are_upstream(self):
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        distribution_api.set_distribution(None)
+        dense(self.batch((4, 5)))
+        self.assertEqual(self.verdicts(dense), [])
+
+    def test_signatures_refuse_what_values_cannot_tell(self):
+        for arguments in ((torch.ones(2),), (np.ones(2),), (object(),)):
+            with self.assertRaises(batch_local._NotLocal):
+                batch_local._signature(arguments, [])
+        leaves = []
+        signature = batch_local._signature(
+            ((self.batch((4, 5)),), {"training": True}), leaves
+        )
+        self.assertEqual(len(leaves), 1)
+        self.assertNotEqual(
+            signature,
+            batch_local._signature(
+                ((self.batch((4, 5)),), {"training": 1}), []
+            ),
+        )
