@@ -29,6 +29,13 @@ with that signature on, the layer runs locally if the watched call:
 - laid out no tensor (no `<layer path>/output` layout applied inside it)
   and recomputes no activations (no remat mode on it or a sublayer).
 
+A layer also runs on DTensors whenever it or a sublayer has come to
+recompute activations since (`remat_layers` marks layers after their
+first call), and whenever saved-tensor hooks are active: inside a
+recomputed layer (`torch.utils.checkpoint` in forward, and its
+recomputation in backward, which runs outside any scope the forward call
+entered) every call must take the path it takes in the other pass.
+
 Such a call ran, on every process, the same local operators on the same
 local shards as a plain call of the layer on those shards would. A local
 call therefore gives the values of the DTensor call: it reads variables as
@@ -87,7 +94,7 @@ def call_layer(layer, upstream_call, args, kwargs):
         The layer's outputs, as DTensors wherever the call took DTensors.
     """
     mode = created_tensors.current_mode()
-    if mode is None or torch.compiler.is_compiling():
+    if mode is None or torch.compiler.is_compiling() or _saved_tensors_hooked():
         return upstream_call(layer, *args, **kwargs)
     try:
         leaves = []
@@ -105,9 +112,16 @@ def call_layer(layer, upstream_call, args, kwargs):
         )
         return outputs
     verdict = verdicts[signature]
-    if verdict is None:
+    if verdict is None or verdict.recomputes():
         return upstream_call(layer, *args, **kwargs)
     return _call_locally(layer, upstream_call, args, kwargs, verdict)
+
+
+def _saved_tensors_hooked():
+    """Whether autograd's saved tensors pass through hooks (e.g. remat)."""
+    return (
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    )
 
 
 def _signature(value, leaves):
@@ -163,15 +177,23 @@ class _Verdict:
             batch, `Replicate` on the others.
         outputs: per tensor output, in flattening order, its local shape,
             global shape and global stride in the watched call.
+        layers: the layer and its sublayers in the watched call.
     """
 
-    def __init__(self, mesh, placements, outputs):
+    def __init__(self, mesh, placements, outputs, layers):
         self.mesh = mesh
+        self.layers = layers
         self.placements = placements
         self.gradient_placements = tuple(
             Partial() if p.is_shard() else Replicate() for p in placements
         )
         self.outputs = outputs
+
+    def recomputes(self):
+        """Whether the layer or a sublayer now recomputes activations."""
+        return any(
+            getattr(sub, "_remat_mode", None) is not None for sub in self.layers
+        )
 
 
 def _watch(layer, upstream_call, args, kwargs, placements, mesh):
@@ -187,7 +209,12 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
     if before.unchanged(layer):
         output_specs = _output_specs(outputs, placements, mesh)
         if output_specs is not None:
-            verdict = _Verdict(mesh, placements, output_specs)
+            verdict = _Verdict(
+                mesh,
+                placements,
+                output_specs,
+                tuple(layer._flatten_layers()),
+            )
     return outputs, verdict
 
 

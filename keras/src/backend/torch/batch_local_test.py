@@ -1,5 +1,7 @@
 """Tests of `batch_local` on a one-process mesh."""
 
+from unittest import mock
+
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
@@ -13,6 +15,7 @@ from keras.src import testing
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.distribution import distribution_lib as distribution_api
+from keras.src.distribution import remat
 
 
 class BatchLocalTest(testing.TestCase):
@@ -138,6 +141,42 @@ class BatchLocalTest(testing.TestCase):
         recomputed.build((None, 5))
         recomputed._remat_mode = object()
         self.assertTrue(batch_local._remat_anywhere(recomputed))
+
+    def test_remat_marked_after_the_verdict_keeps_dtensors(self):
+        model = models.Sequential([layers.Dense(8), layers.Dense(3)])
+        model.build((None, 5))
+        x = self.batch((4, 5))
+        self.call_in_step(model, x)
+        self.assertFalse(self.verdicts(model)[0].recomputes())
+        # `remat_layers` marks layers once they have been called.
+        model.layers[0]._remat_mode = remat.full_remat_mode()
+        self.assertTrue(self.verdicts(model)[0].recomputes())
+        with mock.patch.object(
+            batch_local, "_call_locally", wraps=batch_local._call_locally
+        ) as local:
+            self.call_in_step(model, x)
+        # Only the layer after the recomputed one still runs locally.
+        self.assertEqual(
+            [call.args[0] for call in local.call_args_list],
+            [model.layers[1]],
+        )
+
+    def test_calls_under_saved_tensor_hooks_keep_dtensors(self):
+        # Inside `torch.utils.checkpoint` (forward and recomputation) a
+        # layer must take the same path in both passes.
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        x = self.batch((4, 5))
+        self.call_in_step(dense, x)
+        self.assertIsNotNone(self.verdicts(dense)[0])
+        with mock.patch.object(batch_local, "_call_locally") as local:
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t
+            ):
+                self.call_in_step(dense, x)
+            local.assert_not_called()
+            self.call_in_step(dense, x)
+            local.assert_called_once()
 
     def test_local_view_gradient_is_partial(self):
         dense = layers.Dense(3)
