@@ -45,6 +45,11 @@ variable used with split inputs is) through a Keras `StatelessScope`, runs
 with `replicate_created_tensors` suspended, and returns its outputs as
 DTensors with the placements and global shapes of the watched call.
 
+A layer whose call depends on Python state other than its arguments and
+variables, changed between calls, is outside what the watched call
+proves. `KERAS_DTENSOR_BATCH_LOCAL=0` in the environment (read at import)
+turns local calls off: every layer then runs on DTensors.
+
 Collectives: a local call issues none; the watched call issues those of
 the DTensor call. A verdict depends only on the program and the global
 shapes, so every process takes the same path, and the layers' collectives
@@ -52,6 +57,7 @@ stay in lockstep.
 """
 
 import copy
+import os
 import weakref
 
 import torch
@@ -65,6 +71,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import created_tensors
+
+ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
+# Whether layers proven local run on local tensors.
+ENABLED = os.environ.get(ENABLED_ENV_VAR, "1") != "0"
 
 # Layer -> {call signature: _Verdict, or None where the layer must run on
 # DTensors}.
@@ -94,7 +104,12 @@ def call_layer(layer, upstream_call, args, kwargs):
         The layer's outputs, as DTensors wherever the call took DTensors.
     """
     mode = created_tensors.current_mode()
-    if mode is None or torch.compiler.is_compiling() or _saved_tensors_hooked():
+    if (
+        not ENABLED
+        or mode is None
+        or torch.compiler.is_compiling()
+        or _saved_tensors_hooked()
+    ):
         return upstream_call(layer, *args, **kwargs)
     try:
         leaves = []

@@ -178,6 +178,15 @@ class BatchLocalTest(testing.TestCase):
             self.call_in_step(dense, x)
             local.assert_called_once()
 
+    def test_switched_off_every_call_keeps_dtensors(self):
+        dense = layers.Dense(3)
+        dense.build((None, 5))
+        x = self.batch((4, 5))
+        with mock.patch.object(batch_local, "ENABLED", False):
+            for _ in range(2):
+                self.call_in_step(dense, x)
+        self.assertEqual(self.verdicts(dense), [])
+
     def test_local_view_gradient_is_partial(self):
         dense = layers.Dense(3)
         dense.build((None, 5))
