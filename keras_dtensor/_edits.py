@@ -320,15 +320,19 @@ def edit_layer_call_runs_batch_local(layer_module):
     """
     if not _is_torch_backend():
         return
+    import torch
+
     current_distribution = distribution_accessor()
     from keras.src.backend.torch import batch_local
     from keras.src.backend.torch import created_tensors
 
     upstream_call = layer_module.Layer.__call__
     in_step = created_tensors.replicating_created_tensors
+    compiling = torch.compiler.is_compiling
 
     def __call__(self, *args, **kwargs):
-        if current_distribution() is None or not in_step():
+        # First: under torch.compile, dynamo traces none of this.
+        if compiling() or current_distribution() is None or not in_step():
             return upstream_call(self, *args, **kwargs)
         return batch_local.call_layer(self, upstream_call, args, kwargs)
 

@@ -326,8 +326,11 @@ def note_effect():
     Called for each relayout (`distribute_tensor`: a `<layer path>/output`
     layout would take a local tensor for a global one) and each assignment
     to a DTensor variable (a local call would compute it from one shard).
-    A watched call during which one happened is not local.
+    A watched call during which one happened is not local. Nothing is
+    counted under `torch.compile`, where no call is watched.
     """
+    if torch.compiler.is_compiling():
+        return
     count = global_state.get_global_attribute("batch_local_effects", 0)
     global_state.set_global_attribute("batch_local_effects", count + 1)
 

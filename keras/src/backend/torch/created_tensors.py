@@ -108,7 +108,9 @@ def draw_count():
 
 
 def _count_draw():
-    _STATE.draws = draw_count() + 1
+    """Counts a draw in eager steps (`batch_local` is off when compiling)."""
+    if not torch.compiler.is_compiling():
+        _STATE.draws = draw_count() + 1
 
 
 class _ReplicateCreatedTensors(TorchFunctionMode):
