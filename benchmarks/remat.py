@@ -11,7 +11,7 @@ each mode (`dp`: DataParallel, `tp`: tensor parallel on a (1, N) mesh by
 `fully_sharded_layouts`) twice: as it is, and with every block recomputed
 in backward (`kd.remat_layers(model, r"b\\d+")`). For each, per rank:
 
-- peak activation memory of one training step: on CPU, torch's
+- peak activation memory of one training step (the third): on CPU, torch's
   `MemTracker` peak, less the parameters, gradients, optimizer state
   and buffers live at that peak (what is left is the activations and the
   temporaries of forward and backward); on GPU,
@@ -25,6 +25,7 @@ compared. Results: a markdown table on stdout (rank 0) and
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -160,6 +161,9 @@ def activation_bytes(step, model):
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+    # Garbage of earlier steps (reference cycles) would count as this
+    # step's peak whenever the collector has not run yet.
+    gc.collect()
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
@@ -185,6 +189,9 @@ def measure_mode(mode, args, x, y):
                 return float(model.train_on_batch(x, y))
 
         result[f"{name}_first_loss"] = step()
+        # A steady step: the second call of a layer may make one-time
+        # allocations (local layer calls start on the second step).
+        step()
         result[f"{name}_activation_bytes"] = int(
             max(measure.slowest_rank([float(activation_bytes(step, model))]))
         )
