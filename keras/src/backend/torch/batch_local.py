@@ -27,14 +27,16 @@ with that signature on, the layer runs locally if the watched call:
   default generators' states did not move, and the step's torch function
   mode saw no draw), and added no loss;
 - laid out no tensor (no `<layer path>/output` layout applied inside it)
-  and recomputes no activations (no remat mode on it or a sublayer).
+  and has no sublayer that recomputes activations, nor a remat mode of
+  its own other than "full" (a layer recomputed whole runs its local call
+  in a checkpoint of its own).
 
-A layer also runs on DTensors whenever it or a sublayer has come to
-recompute activations since (`remat_layers` marks layers after their
-first call), and whenever saved-tensor hooks are active: inside a
-recomputed layer (`torch.utils.checkpoint` in forward, and its
-recomputation in backward, which runs outside any scope the forward call
-entered) every call must take the path it takes in the other pass.
+A layer also runs on DTensors whenever a sublayer has come to recompute
+activations since (`remat_layers` marks layers after their first call),
+and whenever saved-tensor hooks are active: inside a checkpoint on
+DTensors (`torch.utils.checkpoint` in forward, and its recomputation in
+backward, which runs outside any scope the forward call entered) every
+call must take the path it takes in the other pass.
 
 Such a call ran, on every process, the same local operators on the same
 local shards as a plain call of the layer on those shards would. A local
@@ -56,11 +58,13 @@ shapes, so every process takes the same path, and the layers' collectives
 stay in lockstep.
 """
 
+import contextlib
 import copy
 import os
 import weakref
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
@@ -205,10 +209,9 @@ class _Verdict:
         self.outputs = outputs
 
     def recomputes(self):
-        """Whether the layer or a sublayer now recomputes activations."""
-        return any(
-            getattr(sub, "_remat_mode", None) is not None for sub in self.layers
-        )
+        """Whether a remat mode now keeps the layer on DTensors."""
+        layer = self.layers[0]
+        return any(_remat_keeps_dtensors(layer, sub) for sub in self.layers)
 
 
 def _watch(layer, upstream_call, args, kwargs, placements, mesh):
@@ -299,11 +302,24 @@ def _loss_count(layer):
 
 
 def _remat_anywhere(layer):
-    """Whether the layer or a sublayer recomputes activations."""
+    """Whether a remat mode on the layer or a sublayer keeps DTensors."""
     return any(
-        getattr(sub, "_remat_mode", None) is not None
-        for sub in layer._flatten_layers()
+        _remat_keeps_dtensors(layer, sub) for sub in layer._flatten_layers()
     )
+
+
+def _remat_keeps_dtensors(layer, sub):
+    """Whether `sub`'s remat mode rules out a local call of `layer`.
+
+    A local call of a layer recomputed whole (remat mode "full") runs in a
+    checkpoint of its own (`_recompute_locally`). A recomputed sublayer
+    would recompute outside the local call's scope, and other modes
+    recompute part of a call.
+    """
+    mode = getattr(sub, "_remat_mode", None)
+    if mode is None:
+        return False
+    return sub is not layer or mode.mode != "full"
 
 
 def _generator_states():
@@ -372,9 +388,12 @@ def _tensor_leaves(value):
 def _call_locally(layer, upstream_call, args, kwargs, verdict):
     """Runs the layer on local shards and lays its outputs out again."""
     args, kwargs = _map_tensors((args, kwargs), DTensor.to_local)
-    with _LocalVariables(layer, verdict.gradient_placements):
-        with created_tensors.suspended():
-            outputs = upstream_call(layer, *args, **kwargs)
+    if layer._remat_mode is None:
+        outputs = _run_locally(layer, upstream_call, args, kwargs, verdict)
+    else:
+        outputs = _recompute_locally(
+            layer, upstream_call, args, kwargs, verdict
+        )
     specs = iter(verdict.outputs)
 
     def to_dtensor(local):
@@ -396,6 +415,40 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
         )
 
     return _map_tensors(outputs, to_dtensor)
+
+
+def _run_locally(layer, upstream_call, args, kwargs, verdict):
+    """Calls the layer on local tensors, reading local variable views.
+
+    The step's torch function mode is suspended; a recomputation in a
+    backward pass outside the step runs without it already.
+    """
+    if created_tensors.current_mode() is None:
+        suspended = contextlib.nullcontext()
+    else:
+        suspended = created_tensors.suspended()
+    with _LocalVariables(layer, verdict.gradient_placements):
+        with suspended:
+            return upstream_call(layer, *args, **kwargs)
+
+
+def _recompute_locally(layer, upstream_call, args, kwargs, verdict):
+    """A local call of a layer recomputed whole, in one checkpoint.
+
+    The checkpoint holds the whole local call, scope included, so the
+    recomputation in backward reads the same local views; inside it the
+    layer's own remat is off (one checkpoint, not two).
+    """
+
+    def run():
+        mode = layer._remat_mode
+        layer._remat_mode = None
+        try:
+            return _run_locally(layer, upstream_call, args, kwargs, verdict)
+        finally:
+            layer._remat_mode = mode
+
+    return torch.utils.checkpoint.checkpoint(run, use_reentrant=False)
 
 
 def _map_tensors(value, function):

@@ -12,6 +12,8 @@ from torch.distributed.tensor import distribute_tensor
 from keras.src import layers
 from keras.src import models
 from keras.src import testing
+from keras.src.backend.common.remat import RematScope
+from keras.src.backend.common.remat import get_current_remat_mode
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.distribution import distribution_lib as distribution_api
@@ -137,10 +139,17 @@ class BatchLocalTest(testing.TestCase):
         regularized.build((None, 5))
         self.call_in_step(regularized, self.batch((4, 5)))
         self.assertEqual(self.verdicts(regularized), [None])
-        recomputed = layers.Dense(3)
-        recomputed.build((None, 5))
-        recomputed._remat_mode = object()
-        self.assertTrue(batch_local._remat_anywhere(recomputed))
+        # A sublayer recomputed, or a partial remat mode, keeps DTensors;
+        # a layer recomputed whole may run locally (in its own checkpoint).
+        model = models.Sequential([layers.Dense(3, activation="relu")])
+        model.build((None, 5))
+        self.assertFalse(batch_local._remat_anywhere(model))
+        model.layers[0]._remat_mode = remat.full_remat_mode()
+        self.assertTrue(batch_local._remat_anywhere(model))
+        self.assertFalse(batch_local._remat_anywhere(model.layers[0]))
+        with RematScope(mode="activations"):
+            model.layers[0]._remat_mode = get_current_remat_mode()
+        self.assertTrue(batch_local._remat_anywhere(model.layers[0]))
 
     def test_remat_marked_after_the_verdict_keeps_dtensors(self):
         model = models.Sequential([layers.Dense(8), layers.Dense(3)])
@@ -155,11 +164,52 @@ class BatchLocalTest(testing.TestCase):
             batch_local, "_call_locally", wraps=batch_local._call_locally
         ) as local:
             self.call_in_step(model, x)
-        # Only the layer after the recomputed one still runs locally.
+        # The model keeps DTensors; its layers run locally, the recomputed
+        # one in its own checkpoint.
         self.assertEqual(
             [call.args[0] for call in local.call_args_list],
-            [model.layers[1]],
+            list(model.layers),
         )
+
+    def test_layer_recomputed_whole_runs_locally_and_recomputes(self):
+        model = models.Sequential(
+            [layers.Dense(8, activation="relu"), layers.Dense(3)]
+        )
+        model.build((None, 5))
+        model._remat_mode = remat.full_remat_mode()
+        x = self.batch((4, 5))
+        calls = []
+        upstream_call = model.call
+
+        def counted_call(*args, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return upstream_call(*args, **kwargs)
+
+        model.call = counted_call
+        results = []
+        for _ in range(2):  # watched, then local
+            for variable in model.trainable_variables:
+                variable.value.grad = None
+            calls.clear()
+            out = self.call_in_step(model, x)
+            (out * out).sum().backward()
+            results.append(
+                (
+                    out.full_tensor().detach().numpy(),
+                    [
+                        v.value.grad.full_tensor().numpy()
+                        for v in model.trainable_variables
+                    ],
+                    len(calls),
+                )
+            )
+        self.assertIsNotNone(self.verdicts(model)[0])
+        self.assertAllClose(results[1][0], results[0][0])
+        for local, watched in zip(results[1][1], results[0][1]):
+            self.assertAllClose(local, watched)
+        # Forward and the recomputation in backward, both times.
+        self.assertEqual(results[0][2], 2)
+        self.assertEqual(results[1][2], 2)
 
     def test_calls_under_saved_tensor_hooks_keep_dtensors(self):
         # Inside `torch.utils.checkpoint` (forward and recomputation) a

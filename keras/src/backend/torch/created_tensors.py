@@ -94,12 +94,12 @@ def suspended():
     For code that runs on local shards (`batch_local`). The mode must be
     the innermost torch function mode (`current_mode()` is not None).
     """
-    _STATE.active = False
-    try:
-        with torch.overrides._pop_mode_temporarily():
+    with torch.overrides._pop_mode_temporarily():
+        _STATE.active = False
+        try:
             yield
-    finally:
-        _STATE.active = True
+        finally:
+            _STATE.active = True
 
 
 def draw_count():
