@@ -168,8 +168,10 @@ def worker_env(
     `KERAS_DTENSOR_TIMEOUT_SECONDS` (half the launch's, at least 30 s) and
     `TORCH_DISTRIBUTED_DEBUG=DETAIL`: before each collective, torch checks
     that every rank issues the same operation on the same shapes, and fails
-    naming both otherwise. Workers run on CPU and gloo whatever GPUs are
-    visible (`CUDA_VISIBLE_DEVICES` is emptied), unless `NCCL_ENV_VAR`
+    naming both otherwise. `PYTHONFAULTHANDLER=1` makes a worker killed by
+    a signal print its Python stacks. Workers run on CPU and gloo whatever
+    GPUs are visible (`CUDA_VISIBLE_DEVICES` is emptied), unless
+    `NCCL_ENV_VAR`
     (`KERAS_DTENSOR_TEST_NCCL=1`) is set in `base` and there are at least
     `nprocs` GPUs: then the visible GPUs are kept and `initialize()` uses
     NCCL, one GPU per process.
@@ -194,6 +196,9 @@ def worker_env(
             "PYTHONUNBUFFERED": "1",
             "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
             "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            # A worker killed by a signal (SIGABRT, SIGSEGV) prints the
+            # Python stacks of its threads.
+            "PYTHONFAULTHANDLER": "1",
             RESULT_DIR_ENV: result_dir,
         }
     )

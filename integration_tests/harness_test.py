@@ -15,6 +15,7 @@ def test_default_hides_gpus_and_checks_collectives():
     env = harness.worker_env("/results", 240, base=BASE, nprocs=2, gpu_count=2)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert env["PYTHONFAULTHANDLER"] == "1"
     assert env["KERAS_BACKEND"] == "torch"
     assert env["KERAS_DTENSOR_TIMEOUT_SECONDS"] == "120"
     assert env[harness.RESULT_DIR_ENV] == "/results"

@@ -339,6 +339,37 @@ def edit_layer_call_runs_batch_local(layer_module):
     layer_module.Layer.__call__ = __call__
 
 
+def edit_loss_call_runs_batch_local(losses_module):
+    """Built-in losses compute per-sample values on local tensors.
+
+    Inside a distributed step, `LossFunctionWrapper.call` (the per-sample
+    values of every built-in loss, before `Loss.__call__` reduces them)
+    goes through `batch_local.call_layer` as a layer's call does: watched
+    on DTensors the first time, then on local tensors where the watched
+    call proved it local to each batch shard. The reduction over the batch
+    stays on DTensors. Elsewhere the call is upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    import torch
+
+    current_distribution = distribution_accessor()
+    from keras.src.backend.torch import batch_local
+    from keras.src.backend.torch import created_tensors
+
+    wrapper_class = losses_module.LossFunctionWrapper
+    upstream_call = wrapper_class.call
+    in_step = created_tensors.replicating_created_tensors
+    compiling = torch.compiler.is_compiling
+
+    def call(self, y_true, y_pred):
+        if compiling() or current_distribution() is None or not in_step():
+            return upstream_call(self, y_true, y_pred)
+        return batch_local.call_layer(self, upstream_call, (y_true, y_pred), {})
+
+    wrapper_class.call = call
+
+
 def edit_layer_call_distributes_inputs(layer_module):
     """A direct call of a model or layer takes the global batch.
 
@@ -593,6 +624,7 @@ POST_IMPORT_EDITS = {
         edit_layer_call_runs_batch_local,
         edit_layer_call_distributes_inputs,
     ],
+    "keras.src.losses.losses": lambda: [edit_loss_call_runs_batch_local],
     "keras.src.callbacks.progbar_logger": lambda: [
         edit_progbar_on_process_zero
     ],

@@ -213,3 +213,19 @@ def test_version_parsing():
     assert _edits._version_tuple("2.13.0+cpu") == (2, 13, 0)
     assert _edits._version_tuple("3.16.0.dev2026") == (3, 16, 0)
     assert _edits._version_tuple("3.15.1rc1") == (3, 15, 1)
+
+
+def test_upstreaming_lists_every_edit():
+    """UPSTREAMING.md is the upstream patch: every edit is in it."""
+    from keras_dtensor import _edits
+
+    with open(os.path.join(REPO, "UPSTREAMING.md")) as f:
+        upstreaming = f.read()
+    names = {
+        edit.__name__
+        for edits_for in _edits.POST_IMPORT_EDITS.values()
+        for edit in edits_for()
+    }
+    assert "edit_loss_call_runs_batch_local" in names
+    missing = sorted(n for n in names if f"`{n}`" not in upstreaming)
+    assert missing == []

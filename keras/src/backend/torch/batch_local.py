@@ -8,6 +8,10 @@ own shard and communicates nothing, so its dispatch buys nothing. Such a
 layer runs on plain local tensors instead, as DDP runs a module, and its
 backward pass runs on plain tensors too.
 
+The per-sample values of built-in losses (`LossFunctionWrapper.call`,
+before `Loss.__call__` reduces them over the batch) are judged and run the
+same way; a loss holds no variables and no sublayers.
+
 Which layers these are is decided by DTensor, not by a list of layer
 classes. The first call of a layer with a given signature (the global
 shapes, dtypes and placements of its tensor arguments, its other
@@ -131,7 +135,7 @@ def call_layer(layer, upstream_call, args, kwargs):
         )
         return outputs
     verdict = verdicts[signature]
-    if verdict is None or verdict.recomputes():
+    if verdict is None or verdict.recomputes(layer):
         return upstream_call(layer, *args, **kwargs)
     return _call_locally(layer, upstream_call, args, kwargs, verdict)
 
@@ -196,22 +200,22 @@ class _Verdict:
             batch, `Replicate` on the others.
         outputs: per tensor output, in flattening order, its local shape,
             global shape and global stride in the watched call.
-        layers: the layer and its sublayers in the watched call.
+        sublayers: the layer's sublayers in the watched call (none for a
+            loss).
     """
 
-    def __init__(self, mesh, placements, outputs, layers):
+    def __init__(self, mesh, placements, outputs, sublayers):
         self.mesh = mesh
-        self.layers = layers
+        self.sublayers = sublayers
         self.placements = placements
         self.gradient_placements = tuple(
             Partial() if p.is_shard() else Replicate() for p in placements
         )
         self.outputs = outputs
 
-    def recomputes(self):
-        """Whether a remat mode now keeps the layer on DTensors."""
-        layer = self.layers[0]
-        return any(_remat_keeps_dtensors(layer, sub) for sub in self.layers)
+    def recomputes(self, layer):
+        """Whether a remat mode now keeps `layer` on DTensors."""
+        return _remat_anywhere(layer, self.sublayers)
 
 
 def _watch(layer, upstream_call, args, kwargs, placements, mesh):
@@ -228,10 +232,7 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
         output_specs = _output_specs(outputs, placements, mesh)
         if output_specs is not None:
             verdict = _Verdict(
-                mesh,
-                placements,
-                output_specs,
-                tuple(layer._flatten_layers()),
+                mesh, placements, output_specs, _sublayers(layer)
             )
     return outputs, verdict
 
@@ -274,7 +275,7 @@ def _replicated_variable_versions(layer):
     replaces a value or writes into its local tensor (a new version).
     """
     versions = []
-    for variable in layer.variables:
+    for variable in getattr(layer, "variables", ()):
         value = variable._value
         if not isinstance(value, DTensor) or not all(
             p.is_replicate() for p in value.placements
@@ -298,14 +299,37 @@ def _same_versions(first, second):
 
 def _loss_count(layer):
     """The number of losses added by the layer and its sublayers' calls."""
-    return sum(len(sub._losses) for sub in layer._flatten_layers())
-
-
-def _remat_anywhere(layer):
-    """Whether a remat mode on the layer or a sublayer keeps DTensors."""
-    return any(
-        _remat_keeps_dtensors(layer, sub) for sub in layer._flatten_layers()
+    return sum(
+        len(sub._losses)
+        for sub in (layer, *_sublayers(layer))
+        if hasattr(sub, "_losses")
     )
+
+
+def _remat_anywhere(layer, sublayers=None):
+    """Whether a remat mode on the layer or a sublayer keeps DTensors.
+
+    `sublayers` defaults to the layer's current ones.
+    """
+    if sublayers is None:
+        sublayers = _sublayers(layer)
+    return any(_remat_keeps_dtensors(layer, sub) for sub in (layer, *sublayers))
+
+
+def _sublayers(owner):
+    """A layer's sublayers, as a tuple; none for a loss."""
+    flatten = getattr(owner, "_flatten_layers", None)
+    if flatten is None:
+        return ()
+    return tuple(flatten(include_self=False))
+
+
+def _describe(owner):
+    """How errors name a layer (its path) or a loss (its class and name)."""
+    path = getattr(owner, "path", None)
+    if path is not None:
+        return f"Layer '{path}'"
+    return f"{type(owner).__name__} '{owner.name}'"
 
 
 def _remat_keeps_dtensors(layer, sub):
@@ -388,7 +412,7 @@ def _tensor_leaves(value):
 def _call_locally(layer, upstream_call, args, kwargs, verdict):
     """Runs the layer on local shards and lays its outputs out again."""
     args, kwargs = _map_tensors((args, kwargs), DTensor.to_local)
-    if layer._remat_mode is None:
+    if getattr(layer, "_remat_mode", None) is None:
         outputs = _run_locally(layer, upstream_call, args, kwargs, verdict)
     else:
         outputs = _recompute_locally(
@@ -400,7 +424,7 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
         local_shape, shape, stride = next(specs)
         if local.shape != local_shape:
             raise RuntimeError(
-                f"Layer '{layer.path}' ran on local shards and returned "
+                f"{_describe(layer)} ran on local shards and returned "
                 f"shape {tuple(local.shape)} where its first call returned "
                 f"{tuple(local_shape)} per process. Its call depends on "
                 "something other than its arguments and variables."
@@ -485,7 +509,7 @@ class _LocalVariables(StatelessScope):
                 p.is_replicate() for p in value.placements
             ):
                 raise RuntimeError(
-                    f"Layer '{self.layer.path}' runs on local shards but "
+                    f"{_describe(self.layer)} runs on local shards but "
                     f"read variable '{variable.path}', which is not a "
                     "replicated DTensor and is not one of its variables."
                 )
@@ -498,7 +522,7 @@ class _LocalVariables(StatelessScope):
     def add_update(self, update):
         variable, _ = update
         raise RuntimeError(
-            f"Layer '{self.layer.path}' runs on local shards but assigned "
+            f"{_describe(self.layer)} runs on local shards but assigned "
             f"variable '{variable.path}', which its first call did not."
         )
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
 from keras.src import layers
+from keras.src import losses
 from keras.src import models
 from keras.src import testing
 from keras.src.backend.common.remat import RematScope
@@ -156,10 +157,10 @@ class BatchLocalTest(testing.TestCase):
         model.build((None, 5))
         x = self.batch((4, 5))
         self.call_in_step(model, x)
-        self.assertFalse(self.verdicts(model)[0].recomputes())
+        self.assertFalse(self.verdicts(model)[0].recomputes(model))
         # `remat_layers` marks layers once they have been called.
         model.layers[0]._remat_mode = remat.full_remat_mode()
-        self.assertTrue(self.verdicts(model)[0].recomputes())
+        self.assertTrue(self.verdicts(model)[0].recomputes(model))
         with mock.patch.object(
             batch_local, "_call_locally", wraps=batch_local._call_locally
         ) as local:
@@ -272,3 +273,35 @@ class BatchLocalTest(testing.TestCase):
                 ((self.batch((4, 5)),), {"training": 1}), []
             ),
         )
+
+    def test_built_in_loss_values_run_locally(self):
+        loss = losses.CategoricalCrossentropy(from_logits=True)
+        logits = self.batch((6, 4))
+        logits.requires_grad_(True)
+        labels = self.batch((6, 4), seed=1).softmax(-1).detach()
+        results, gradients = [], []
+        for _ in range(2):  # watched, then local
+            logits.grad = None
+            value = self.call_in_step(loss, labels, logits)
+            value.backward()
+            results.append(value.full_tensor().item())
+            gradients.append(logits.grad.full_tensor().numpy())
+        (verdict,) = self.verdicts(loss)
+        self.assertIsNotNone(verdict)
+        self.assertEqual(verdict.sublayers, ())
+        # Exactly the values and gradients of the DTensor call.
+        self.assertEqual(results[0], results[1])
+        np.testing.assert_array_equal(gradients[0], gradients[1])
+        with mock.patch.object(
+            batch_local, "_call_locally", wraps=batch_local._call_locally
+        ) as local:
+            self.call_in_step(loss, labels, logits)
+        self.assertEqual(local.call_args.args[0], loss)
+
+    def test_loss_errors_name_the_loss(self):
+        loss = losses.MeanSquaredError(name="mse_of_test")
+        self.assertEqual(
+            batch_local._describe(loss),
+            "MeanSquaredError 'mse_of_test'",
+        )
+        self.assertEqual(batch_local._sublayers(loss), ())

@@ -213,8 +213,9 @@ def _to_backend_layout(tensor_layout):
         )
     axes = tuple(tensor_layout.axes)
     placements = dtensor_layouts.axes_to_placements(axes, device_mesh)
+    # `DeviceMesh.backend_mesh` converts once per Keras mesh.
     return dtensor_layouts.DTensorLayout(
-        _to_backend_mesh(device_mesh), placements, axes, device_mesh
+        device_mesh.backend_mesh, placements, axes, device_mesh
     )
 
 

@@ -18,12 +18,15 @@ instance a reduce-scatter to a sharded parameter) are redistributed by
 DTensor directly.
 """
 
+import copy
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
 BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_BUCKET_CAP_MB"
@@ -56,8 +59,10 @@ class _Bucket:
         self.work = None
 
     def add(self, parameter, grad):
-        local = grad.to_local()
-        self.entries.append((parameter, grad.shape, grad.stride(), local))
+        # Backward hooks run without gradient tracking: the local tensor is
+        # read directly (`to_local` would add an autograd node).
+        local = grad._local_tensor
+        self.entries.append((parameter, local))
         self.nbytes += local.numel() * local.element_size()
 
     def launch(self):
@@ -65,7 +70,7 @@ class _Bucket:
         self.flat = torch.cat([entry[-1].reshape(-1) for entry in self.entries])
         # Keep only the shapes: the unreduced gradients can be freed.
         self.entries = [
-            entry[:-1] + (entry[-1].shape,) for entry in self.entries
+            (parameter, local.shape) for parameter, local in self.entries
         ]
         self.work = dist.all_reduce(
             self.flat,
@@ -86,18 +91,11 @@ class _Bucket:
         if self.reduce_op == "avg":
             self.flat /= _group_size(self.mesh, self.partial_dims)
         offset = 0
-        for parameter, shape, stride, local_shape in self.entries:
+        for parameter, local_shape in self.entries:
             numel = local_shape.numel()
             local = self.flat[offset : offset + numel].view(local_shape)
             offset += numel
-            parameter.grad = DTensor.from_local(
-                local,
-                self.mesh,
-                parameter.placements,
-                run_check=False,
-                shape=shape,
-                stride=stride,
-            )
+            parameter.grad = _like_parameter(local, parameter)
 
 
 class _PendingReduction:
@@ -107,9 +105,14 @@ class _PendingReduction:
         self.open = {}
         self.launched = []
         self.finalizer_queued = False
+        self.cap_bytes = None
 
 
 _PENDING = _PendingReduction()
+
+# (mesh shape, gradient placements, parameter placements) -> the result of
+# `_partial_sum_reduction`.
+_REDUCTIONS = {}
 
 
 def reduce_gradient_when_ready(parameter):
@@ -122,10 +125,10 @@ def reduce_gradient_when_ready(parameter):
     grad = parameter.grad
     if not isinstance(grad, DTensor):
         return
-    placements = tuple(parameter.placements)
-    if tuple(grad.placements) == placements:
+    placements = parameter._spec.placements
+    if grad._spec.placements == placements:
         return
-    reduction = _partial_sum_reduction(grad, placements)
+    reduction = _cached_reduction(grad, placements)
     if reduction is not None and not reduction[0]:
         parameter.grad = _relabel(grad, placements)
         return
@@ -136,14 +139,22 @@ def reduce_gradient_when_ready(parameter):
     # placements on the other mesh axes: on a ("batch", "model") mesh, a
     # column-sharded and a replicated kernel are reduced together over
     # "batch" (processes of one "batch" group hold shards of equal shapes).
-    key = (grad.device_mesh, reduction, grad.dtype)
+    key = (grad._spec.mesh, reduction, grad.dtype)
     bucket = _PENDING.open.get(key)
     if bucket is None:
-        bucket = _Bucket(grad.device_mesh, *reduction)
+        bucket = _Bucket(grad._spec.mesh, *reduction)
         _PENDING.open[key] = bucket
     bucket.add(parameter, grad)
-    if bucket.nbytes >= _bucket_cap_bytes():
+    if bucket.nbytes >= _PENDING.cap_bytes:
         _launch(key)
+
+
+def _cached_reduction(grad, placements):
+    """`_partial_sum_reduction`, computed once per mesh shape and placements."""
+    key = (grad._spec.mesh.shape, grad._spec.placements, placements)
+    if key not in _REDUCTIONS:
+        _REDUCTIONS[key] = _partial_sum_reduction(grad, placements)
+    return _REDUCTIONS[key]
 
 
 def _partial_sum_reduction(grad, placements):
@@ -192,6 +203,7 @@ def _queue_finalizer():
     except RuntimeError:
         return False
     _PENDING.finalizer_queued = True
+    _PENDING.cap_bytes = _bucket_cap_bytes()
     return True
 
 
@@ -199,6 +211,7 @@ def _launch(key):
     bucket = _PENDING.open.pop(key)
     bucket.launch()
     _PENDING.launched.append(bucket)
+    _PENDING.cap_bytes = _bucket_cap_bytes()
 
 
 def _finish_backward():
@@ -213,6 +226,38 @@ def _finish_backward():
             pending.launched.append(bucket)
         for bucket in pending.launched:
             bucket.finish()
+
+
+def _like_parameter(local, parameter):
+    """A DTensor of `local` (contiguous) laid out as `parameter`.
+
+    The gradient of a parameter has the parameter's mesh, placements,
+    global shape and dtype; its spec is the parameter's (copied: DTensors
+    do not share specs) unless the strides differ.
+    """
+    spec = parameter._spec
+    meta = spec.tensor_meta
+    if meta.stride == _contiguous_strides(meta.shape):
+        spec = copy.copy(spec)
+    else:
+        spec = DTensorSpec(
+            spec.mesh,
+            spec.placements,
+            tensor_meta=TensorMeta(
+                meta.shape, _contiguous_strides(meta.shape), meta.dtype
+            ),
+        )
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _contiguous_strides(shape):
+    """The strides of a contiguous tensor of global `shape`."""
+    strides = []
+    step = 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _relabel(grad, placements):

@@ -27,6 +27,21 @@ def one_process_mesh():
     return distribution_lib._to_backend_mesh(mesh)
 
 
+def pretend_mesh_dims_of_size_two(test_case):
+    """Plans reductions as if every mesh dim had 2 processes, in one test.
+
+    Reductions planned under the pretence are dropped afterwards.
+    """
+    for patcher in (
+        mock.patch.object(
+            gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
+        ),
+        mock.patch.dict(gradient_buckets._REDUCTIONS, clear=True),
+    ):
+        patcher.start()
+        test_case.addCleanup(patcher.stop)
+
+
 def replicated_parameters(mesh, shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     parameters = []
@@ -60,11 +75,7 @@ class GradientBucketsTest(testing.TestCase):
         self.shapes = [(8, 16), (16, 16), (16, 4)]
         # Reduce over the one-process mesh axis as if it were larger; an
         # all-reduce over one process leaves the values as they are.
-        patcher = mock.patch.object(
-            gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
-        )
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        pretend_mesh_dims_of_size_two(self)
 
     def reference_gradients(self):
         parameters = [
@@ -177,11 +188,7 @@ class TwoDimensionalMeshTest(testing.TestCase):
             (1, 1), ("batch", "model"), ["cpu:0"]
         )
         self.mesh = distribution_lib._to_backend_mesh(mesh)
-        patcher = mock.patch.object(
-            gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
-        )
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        pretend_mesh_dims_of_size_two(self)
 
     def test_placements_sharing_a_reduction_share_a_bucket(self):
         # Column-, bias- and row-sharded parameters on "model": their
