@@ -171,10 +171,9 @@ def worker_env(
     naming both otherwise. `PYTHONFAULTHANDLER=1` makes a worker killed by
     a signal print its Python stacks. Workers run on CPU and gloo whatever
     GPUs are visible (`CUDA_VISIBLE_DEVICES` is emptied), unless
-    `NCCL_ENV_VAR`
-    (`KERAS_DTENSOR_TEST_NCCL=1`) is set in `base` and there are at least
-    `nprocs` GPUs: then the visible GPUs are kept and `initialize()` uses
-    NCCL, one GPU per process.
+    `NCCL_ENV_VAR` (`KERAS_DTENSOR_TEST_NCCL=1`) is set in `base` and there
+    are at least `nprocs` GPUs: then the visible GPUs are kept and
+    `initialize()` uses NCCL, one GPU per process.
 
     Args:
         result_dir: the folder the workers write their reports to.

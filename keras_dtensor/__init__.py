@@ -22,7 +22,9 @@ def install():
         return
     edits = importlib.import_module("keras_dtensor._edits")
     finder = _finder.KerasOverlayFinder(
-        _finder.overlay_root(), edits.POST_IMPORT_EDITS
+        _finder.overlay_root(),
+        edits.POST_IMPORT_EDITS,
+        version_check=edits.check_installed_keras_version,
     )
     sys.meta_path.insert(0, finder)
     edits.apply_to_loaded_modules()

@@ -10,6 +10,8 @@ keras at module level.
 """
 
 import functools
+import importlib.util
+import os
 import re
 import sys
 
@@ -63,6 +65,49 @@ def check_supported_versions(module=None):
             f"Found keras=={keras_version} and torch=={torch.__version__}. "
             "Install a supported version, or uninstall keras-dtensor."
         )
+
+
+def installed_keras_version():
+    """The version of the keras being imported, read from its source.
+
+    Reads `keras/src/version.py` of the `keras` package in `sys.modules`
+    (or found on `sys.path`) without importing anything: it is called
+    while keras itself is being imported. None where it cannot be read.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and getattr(keras, "__file__", None):
+        folder = os.path.dirname(keras.__file__)
+    else:
+        spec = importlib.util.find_spec("keras")
+        if spec is None or not spec.origin:
+            return None
+        folder = os.path.dirname(spec.origin)
+    try:
+        with open(os.path.join(folder, "src", "version.py")) as f:
+            source = f.read()
+    except OSError:
+        return None
+    match = re.search(r"^__version__ = [\"']([^\"']+)[\"']", source, re.M)
+    return None if match is None else match.group(1)
+
+
+def check_installed_keras_version():
+    """Fails with one clear error on a keras outside the supported range.
+
+    Run by the mount before it serves its first torch backend module, so
+    that a keras it was not built for (a 3.16 dev version, whose torch
+    backend has a `distribution_lib` of its own) gets this error instead
+    of an import cycle. torch is checked when `keras.src.backend.torch.core`
+    is imported (`check_supported_versions`).
+    """
+    version = installed_keras_version()
+    if version is None or _in_range(version, SUPPORTED_KERAS):
+        return
+    raise UnsupportedVersionError(
+        f"keras-dtensor supports {_range_text('keras', SUPPORTED_KERAS)}. "
+        f"Found keras=={version}. Install a supported version, or uninstall "
+        "keras-dtensor."
+    )
 
 
 def _is_torch_backend():

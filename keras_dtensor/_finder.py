@@ -10,6 +10,11 @@ meta-path finder that does two things:
    overlay are served; everything else comes from the installed keras.
 2. After selected upstream keras modules finish executing, it calls the
    post-import edits registered for them (see `keras_dtensor._edits`).
+
+Before it serves the first module of the torch backend's overlay
+(`keras.src.backend.torch...`), it runs its version check once: on a keras
+it does not support, the import fails with that check's clear error
+rather than with whatever the overlay would meet in another keras.
 """
 
 import importlib.abc
@@ -19,6 +24,7 @@ import os
 import sys
 
 OVERLAY_PACKAGE = "keras.src"
+TORCH_OVERLAY_PACKAGE = "keras.src.backend.torch"
 
 
 def overlay_root():
@@ -60,11 +66,15 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
         post_import_edits: dict mapping a module name to a callable that
             returns the list of edits (functions taking the module) to
             apply once that module has executed.
+        version_check: a function run once, before the first torch
+            backend overlay module is served; it raises on an unsupported
+            keras. None: no check.
     """
 
-    def __init__(self, root, post_import_edits):
+    def __init__(self, root, post_import_edits, version_check=None):
         self._root = root
         self._post_import_edits = post_import_edits
+        self._version_check = version_check
 
     def _overlay_file(self, fullname):
         if not fullname.startswith(OVERLAY_PACKAGE + ".") or not self._root:
@@ -76,6 +86,8 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         overlay_file = self._overlay_file(fullname)
         if overlay_file is not None:
+            if fullname.startswith(TORCH_OVERLAY_PACKAGE + "."):
+                self._check_version_once()
             return importlib.util.spec_from_file_location(
                 fullname, overlay_file
             )
@@ -89,6 +101,12 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
         if edits:
             spec.loader = _EditingLoader(spec.loader, edits)
         return spec
+
+    def _check_version_once(self):
+        check = self._version_check
+        if check is not None:
+            check()
+            self._version_check = None
 
     def _find_upstream_spec(self, fullname, path, target):
         for finder in sys.meta_path:

@@ -229,3 +229,46 @@ def test_upstreaming_lists_every_edit():
     assert "edit_loss_call_runs_batch_local" in names
     missing = sorted(n for n in names if f"`{n}`" not in upstreaming)
     assert missing == []
+
+
+def test_a_keras_outside_the_range_fails_before_the_overlay(
+    tmp_path, monkeypatch
+):
+    """A 3.16 keras meets the version error, not the overlay's imports."""
+    from keras_dtensor import _edits
+    from keras_dtensor import _finder
+
+    package = tmp_path / "keras"
+    (package / "src").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "src" / "version.py").write_text(
+        '__version__ = "3.16.0.dev2026102704"\n'
+    )
+    fake = type(sys)("keras")
+    fake.__file__ = str(package / "__init__.py")
+    monkeypatch.setitem(sys.modules, "keras", fake)
+    assert _edits.installed_keras_version() == "3.16.0.dev2026102704"
+    with pytest.raises(_edits.UnsupportedVersionError) as error:
+        _edits.check_installed_keras_version()
+    assert "keras>=3.15.1,<3.16" in str(error.value)
+    assert "keras==3.16.0.dev2026102704" in str(error.value)
+
+    checks = []
+    finder = _finder.KerasOverlayFinder(
+        _finder.overlay_root(), {}, version_check=lambda: checks.append(1)
+    )
+    # Overlay modules outside the torch backend need no check.
+    finder.find_spec("keras.src.distribution.layout_validation")
+    assert checks == []
+    for _ in range(2):
+        spec = finder.find_spec("keras.src.backend.torch.distribution_lib")
+        assert spec.origin.endswith("distribution_lib.py")
+    assert checks == [1]
+
+
+def test_the_installed_keras_version_is_read_from_its_source():
+    from keras.src.version import __version__
+    from keras_dtensor import _edits
+
+    assert _edits.installed_keras_version() == __version__
+    _edits.check_installed_keras_version()
