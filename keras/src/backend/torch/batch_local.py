@@ -63,7 +63,6 @@ stay in lockstep.
 """
 
 import contextlib
-import copy
 import os
 import weakref
 
@@ -74,11 +73,11 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import dtensor_layouts
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -88,8 +87,9 @@ ENABLED = os.environ.get(ENABLED_ENV_VAR, "1") != "0"
 # DTensors}.
 _VERDICTS = weakref.WeakKeyDictionary()
 
-# Variable value (a DTensor) -> {gradient placements: DTensorSpec}.
-_GRADIENT_SPECS = WeakTensorKeyDictionary()
+# Attribute of a replicated DTensor variable value read through a local
+# view: {gradient placements: DTensorSpec of the view's gradient}.
+_GRADIENT_SPECS_ATTRIBUTE = "_keras_local_view_gradient_specs"
 
 # Argument values other than tensors that a signature holds as they are.
 _SCALARS = (bool, int, float, str, type(None))
@@ -505,6 +505,19 @@ class _LocalVariables(StatelessScope):
         view = self.state_mapping.get(id(variable))
         if view is None:
             value = variable._value
+            view = _LocalView.apply(value, self._gradient_spec(variable))
+            self.state_mapping[id(variable)] = view
+        return view
+
+    def _gradient_spec(self, variable):
+        """The spec of the gradient of the variable's local view.
+
+        Made once per value and gradient placements, and kept on the
+        value (a replicated DTensor: its placements never change).
+        """
+        value = variable._value
+        specs = getattr(value, _GRADIENT_SPECS_ATTRIBUTE, None)
+        if specs is None:
             if not isinstance(value, DTensor) or not all(
                 p.is_replicate() for p in value.placements
             ):
@@ -513,11 +526,13 @@ class _LocalVariables(StatelessScope):
                     f"read variable '{variable.path}', which is not a "
                     "replicated DTensor and is not one of its variables."
                 )
-            view = _LocalView.apply(
-                value, _gradient_spec(value, self.gradient_placements)
-            )
-            self.state_mapping[id(variable)] = view
-        return view
+            specs = {}
+            setattr(value, _GRADIENT_SPECS_ATTRIBUTE, specs)
+        spec = specs.get(self.gradient_placements)
+        if spec is None:
+            spec = _spec(value.device_mesh, self.gradient_placements, value)
+            specs[self.gradient_placements] = spec
+        return spec
 
     def add_update(self, update):
         variable, _ = update
@@ -525,16 +540,6 @@ class _LocalVariables(StatelessScope):
             f"{_describe(self.layer)} runs on local shards but assigned "
             f"variable '{variable.path}', which its first call did not."
         )
-
-
-def _gradient_spec(value, placements):
-    """The spec of the gradient of `value`'s local view, made once."""
-    specs = _GRADIENT_SPECS.setdefault(value, {})
-    spec = specs.get(placements)
-    if spec is None:
-        spec = _spec(value.device_mesh, placements, value)
-        specs[placements] = spec
-    return spec
 
 
 def _spec(mesh, placements, tensor):
@@ -568,7 +573,7 @@ class _LocalView(torch.autograd.Function):
         spec = ctx.gradient_spec
         if grad.stride() == spec.tensor_meta.stride:
             # A copy, as DTensor does: specs are not shared between tensors.
-            spec = copy.copy(spec)
+            spec = dtensor_layouts.copy_spec(spec)
         else:
             spec = _spec(spec.mesh, spec.placements, grad)
-        return DTensor(grad, spec, requires_grad=False), None
+        return dtensor_layouts.dtensor_from_spec(grad, spec), None

@@ -243,8 +243,13 @@ class BatchLocalTest(testing.TestCase):
         dense.build((None, 5))
         value = dense.kernel.value
         placements = (Partial(),)
-        view = batch_local._LocalView.apply(
-            value, batch_local._gradient_spec(value, placements)
+        scope = batch_local._LocalVariables(dense, placements)
+        view = scope.get_current_value(dense.kernel)
+        # One view per variable in a scope; the spec is kept on the value.
+        self.assertIs(scope.get_current_value(dense.kernel), view)
+        self.assertIn(
+            placements,
+            getattr(value, batch_local._GRADIENT_SPECS_ATTRIBUTE),
         )
         self.assertNotIsInstance(view, DTensor)
         (gradient,) = torch.autograd.grad(view.sum(), value)

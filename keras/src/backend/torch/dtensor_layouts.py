@@ -11,6 +11,7 @@ redistributes a DTensor (a collective every process must run).
 import collections
 import math
 
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -128,3 +129,31 @@ def contiguous_strides(shape):
         strides.append(running)
         running *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def dtensor_from_spec(local, spec):
+    """A DTensor of `local` with `spec`, made without autograd.
+
+    As `DTensor(local, spec, requires_grad=False)` (what `from_local` and
+    DTensor's own operators end with), minus the Python `__init__`, which
+    only wraps `Tensor.__init__` for Dynamo and export: the C++
+    constructor does the work. For eager code on hot paths (a gradient
+    per parameter per step); `dtensor_layouts_test` checks that both ways
+    make the same DTensor.
+
+    Args:
+        local: the local tensor (not requiring gradients).
+        spec: a `DTensorSpec` for it, not shared with another DTensor.
+    """
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
+def copy_spec(spec):
+    """A shallow copy of a `DTensorSpec`, as `copy.copy` makes it.
+
+    The same attributes (the cached hash included, which stays valid for
+    equal fields), without `copy`'s generic protocol.
+    """
+    copied = object.__new__(type(spec))
+    copied.__dict__.update(spec.__dict__)
+    return copied

@@ -18,7 +18,6 @@ instance a reduce-scatter to a sharded parameter) are redistributed by
 DTensor directly.
 """
 
-import copy
 import os
 
 import torch
@@ -28,6 +27,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor.placement_types import Partial
+
+from keras.src.backend.torch import dtensor_layouts
 
 BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_BUCKET_CAP_MB"
 DEFAULT_BUCKET_CAP_MB = 25
@@ -110,6 +111,13 @@ class _PendingReduction:
 
 _PENDING = _PendingReduction()
 
+# Attribute of a parameter: (gradient placements, dtype, plan) of
+# `_reduction_plan`.
+_PLAN_ATTRIBUTE = "_keras_gradient_reduction_plan"
+# Attribute of a parameter: (its spec, the spec its reduced gradients
+# copy).
+_GRADIENT_SPEC_ATTRIBUTE = "_keras_reduced_gradient_spec"
+
 # (mesh shape, gradient placements, parameter placements) -> the result of
 # `_partial_sum_reduction`.
 _REDUCTIONS = {}
@@ -125,21 +133,16 @@ def reduce_gradient_when_ready(parameter):
     grad = parameter.grad
     if not isinstance(grad, DTensor):
         return
-    placements = parameter._spec.placements
-    if grad._spec.placements == placements:
+    plan = _reduction_plan(parameter, grad)
+    if plan is None:
         return
-    reduction = _cached_reduction(grad, placements)
+    reduction, key = plan
     if reduction is not None and not reduction[0]:
-        parameter.grad = _relabel(grad, placements)
+        parameter.grad = _relabel(grad, parameter._spec.placements)
         return
     if reduction is None or not _queue_finalizer():
         parameter.grad = _redistribute_gradient(grad, parameter)
         return
-    # Gradients that need the same all-reduce share a bucket whatever their
-    # placements on the other mesh axes: on a ("batch", "model") mesh, a
-    # column-sharded and a replicated kernel are reduced together over
-    # "batch" (processes of one "batch" group hold shards of equal shapes).
-    key = (grad._spec.mesh, reduction, grad.dtype)
     bucket = _PENDING.open.get(key)
     if bucket is None:
         bucket = _Bucket(grad._spec.mesh, *reduction)
@@ -147,6 +150,32 @@ def reduce_gradient_when_ready(parameter):
     bucket.add(parameter, grad)
     if bucket.nbytes >= _PENDING.cap_bytes:
         _launch(key)
+
+
+def _reduction_plan(parameter, grad):
+    """How the gradient reaches its parameter's placements.
+
+    Returns None if it has them already, else `(reduction, bucket key)`:
+    the `_partial_sum_reduction` and the key of the bucket it joins.
+    Gradients that need the same all-reduce share a bucket whatever their
+    placements on the other mesh axes: on a ("batch", "model") mesh, a
+    column-sharded and a replicated kernel are reduced together over
+    "batch" (processes of one "batch" group hold shards of equal shapes).
+    The plan is kept on the parameter for the next gradient whose spec has
+    the same placements object (a local view's gradient reuses its spec).
+    """
+    placements = grad._spec.placements
+    kept = getattr(parameter, _PLAN_ATTRIBUTE, None)
+    if kept is not None and kept[0] is placements and kept[1] == grad.dtype:
+        return kept[2]
+    target = parameter._spec.placements
+    if placements == target:
+        plan = None
+    else:
+        reduction = _cached_reduction(grad, target)
+        plan = (reduction, (grad._spec.mesh, reduction, grad.dtype))
+    setattr(parameter, _PLAN_ATTRIBUTE, (placements, grad.dtype, plan))
+    return plan
 
 
 def _cached_reduction(grad, placements):
@@ -232,22 +261,30 @@ def _like_parameter(local, parameter):
     """A DTensor of `local` (contiguous) laid out as `parameter`.
 
     The gradient of a parameter has the parameter's mesh, placements,
-    global shape and dtype; its spec is the parameter's (copied: DTensors
-    do not share specs) unless the strides differ.
+    global shape and dtype; its spec is a copy (DTensors do not share
+    specs) of the parameter's, or of one with contiguous strides where the
+    parameter's are not. The spec copied is kept on the parameter.
     """
-    spec = parameter._spec
+    kept = getattr(parameter, _GRADIENT_SPEC_ATTRIBUTE, None)
+    if kept is None or kept[0] is not parameter._spec:
+        kept = (parameter._spec, _contiguous_spec(parameter._spec))
+        setattr(parameter, _GRADIENT_SPEC_ATTRIBUTE, kept)
+    return dtensor_layouts.dtensor_from_spec(
+        local, dtensor_layouts.copy_spec(kept[1])
+    )
+
+
+def _contiguous_spec(spec):
+    """`spec`, or a copy of it with contiguous global strides."""
     meta = spec.tensor_meta
-    if meta.stride == _contiguous_strides(meta.shape):
-        spec = copy.copy(spec)
-    else:
-        spec = DTensorSpec(
-            spec.mesh,
-            spec.placements,
-            tensor_meta=TensorMeta(
-                meta.shape, _contiguous_strides(meta.shape), meta.dtype
-            ),
-        )
-    return DTensor(local, spec, requires_grad=False)
+    strides = _contiguous_strides(meta.shape)
+    if meta.stride == strides:
+        return spec
+    return DTensorSpec(
+        spec.mesh,
+        spec.placements,
+        tensor_meta=TensorMeta(meta.shape, strides, meta.dtype),
+    )
 
 
 def _contiguous_strides(shape):

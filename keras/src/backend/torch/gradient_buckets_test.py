@@ -5,6 +5,7 @@ parameters used with batch-sharded inputs, so the bucketing logic runs in
 full here; values across processes are checked by the integration tests.
 """
 
+import copy
 import os
 from unittest import mock
 
@@ -18,6 +19,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from keras.src import testing
 from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
 from keras.src.distribution import distribution_lib as distribution_api
 
@@ -247,3 +249,33 @@ class SizeOneMeshAxisTest(testing.TestCase):
             mlp_loss(parameters, mesh).backward()
         self.assertEqual(all_reduce.call_count, 0)
         self.assertEqual(tuple(parameters[0].grad.placements), (Replicate(),))
+
+
+class DTensorFromSpecTest(testing.TestCase):
+    def test_same_dtensor_as_the_constructor(self):
+        mesh = one_process_mesh()
+        (parameter,) = replicated_parameters(mesh, [(8, 4)])
+        local = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+        made = dtensor_layouts.dtensor_from_spec(
+            local, copy.copy(parameter._spec)
+        )
+        constructed = DTensor(
+            local, copy.copy(parameter._spec), requires_grad=False
+        )
+        for dtensor in (made, constructed):
+            self.assertIs(type(dtensor), DTensor)
+            self.assertIs(dtensor._local_tensor, local)
+            self.assertFalse(dtensor.requires_grad)
+            self.assertIsNone(dtensor.grad_fn)
+        # A spec copy is `copy.copy`'s.
+        spec = parameter._spec
+        copied = dtensor_layouts.copy_spec(spec)
+        self.assertIsNot(copied, spec)
+        self.assertEqual(vars(copied), vars(copy.copy(spec)))
+        self.assertEqual(hash(copied), hash(spec))
+        # Whatever `DTensor.__init__` sets, the helper must set too.
+        self.assertEqual(set(vars(made)), set(vars(constructed)))
+        self.assertEqual(made._spec, constructed._spec)
+        self.assertEqual(made.shape, constructed.shape)
+        self.assertEqual(made.stride(), constructed.stride())
+        self.assertAllClose((made * 2).full_tensor().numpy(), 2 * local.numpy())
