@@ -111,9 +111,6 @@ class _PendingReduction:
 
 _PENDING = _PendingReduction()
 
-# Attribute of a parameter: (gradient placements, dtype, plan) of
-# `_reduction_plan`.
-_PLAN_ATTRIBUTE = "_keras_gradient_reduction_plan"
 # Attribute of a parameter: (its spec, the spec its reduced gradients
 # copy).
 _GRADIENT_SPEC_ATTRIBUTE = "_keras_reduced_gradient_spec"
@@ -161,21 +158,12 @@ def _reduction_plan(parameter, grad):
     placements on the other mesh axes: on a ("batch", "model") mesh, a
     column-sharded and a replicated kernel are reduced together over
     "batch" (processes of one "batch" group hold shards of equal shapes).
-    The plan is kept on the parameter for the next gradient whose spec has
-    the same placements object (a local view's gradient reuses its spec).
     """
-    placements = grad._spec.placements
-    kept = getattr(parameter, _PLAN_ATTRIBUTE, None)
-    if kept is not None and kept[0] is placements and kept[1] == grad.dtype:
-        return kept[2]
     target = parameter._spec.placements
-    if placements == target:
-        plan = None
-    else:
-        reduction = _cached_reduction(grad, target)
-        plan = (reduction, (grad._spec.mesh, reduction, grad.dtype))
-    setattr(parameter, _PLAN_ATTRIBUTE, (placements, grad.dtype, plan))
-    return plan
+    if grad._spec.placements == target:
+        return None
+    reduction = _cached_reduction(grad, target)
+    return reduction, (grad._spec.mesh, reduction, grad.dtype)
 
 
 def _cached_reduction(grad, placements):
