@@ -265,7 +265,7 @@ def _like_parameter(local, parameter):
 def _contiguous_spec(spec):
     """`spec`, or a copy of it with contiguous global strides."""
     meta = spec.tensor_meta
-    strides = _contiguous_strides(meta.shape)
+    strides = dtensor_layouts.contiguous_strides(meta.shape)
     if meta.stride == strides:
         return spec
     return DTensorSpec(
@@ -273,16 +273,6 @@ def _contiguous_spec(spec):
         spec.placements,
         tensor_meta=TensorMeta(meta.shape, strides, meta.dtype),
     )
-
-
-def _contiguous_strides(shape):
-    """The strides of a contiguous tensor of global `shape`."""
-    strides = []
-    step = 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _relabel(grad, placements):
