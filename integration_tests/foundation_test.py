@@ -228,6 +228,9 @@ def test_distribute_data_input_builds_global_batch(run):
         np.testing.assert_array_equal(
             np.asarray(report["data_input/full"]), expected
         )
+        np.testing.assert_array_equal(
+            np.asarray(report["data_input/two_arguments_full"]), expected
+        )
 
 
 def test_collectives(run):

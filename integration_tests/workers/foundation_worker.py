@@ -131,6 +131,12 @@ def check_data_input(mesh):
     record("data_input/shape", list(global_batch.shape))
     record("data_input/local", global_batch.to_local().numpy())
     record("data_input/full", keras.ops.convert_to_numpy(global_batch))
+    # keras 3.16's two-argument form: the layout names the batch axis.
+    two_arguments = backend_dlib.distribute_data_input(local, layout)
+    record(
+        "data_input/two_arguments_full",
+        keras.ops.convert_to_numpy(two_arguments),
+    )
 
 
 def check_collectives(model):

@@ -378,7 +378,7 @@ class _ConstrainLayout(torch.autograd.Function):
         return grad, None, None
 
 
-def distribute_data_input(per_process_batch, layout, batch_dim_name):
+def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
     """Distribute the input data with the corresponding layout.
 
     Each process passes its own part of the global batch, split along the
@@ -395,7 +395,9 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     Args:
         per_process_batch: tensor or array, this process's part of the batch.
         layout: `TensorLayout` or `DTensorLayout` for the global batch.
-        batch_dim_name: the mesh axis that splits the batch.
+        batch_dim_name: the mesh axis that splits the batch. Optional, as
+            in upstream's two-argument form (keras 3.16): the layout says
+            which mesh axes split the batch.
 
     Returns:
         A DTensor holding the global batch.
