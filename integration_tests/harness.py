@@ -26,7 +26,15 @@ NCCL_ENV_VAR = "KERAS_DTENSOR_TEST_NCCL"
 
 
 class WorkerFailure(AssertionError):
-    """A launch failed, timed out, or a rank reported nothing."""
+    """A launch failed, timed out, or a rank reported nothing.
+
+    The message holds the tail of the launch's output; `output` holds all
+    of it (stdout, then stderr), or None.
+    """
+
+    def __init__(self, message, output=None):
+        super().__init__(message)
+        self.output = output
 
 
 def free_port():
@@ -83,13 +91,15 @@ def launch(
     except subprocess.TimeoutExpired as error:
         raise WorkerFailure(
             f"{worker} on {nprocs} processes did not finish within "
-            f"{timeout}s.\n{_tail(error.stdout)}\n{_tail(error.stderr)}"
+            f"{timeout}s.\n{_tail(error.stdout)}\n{_tail(error.stderr)}",
+            output=_whole(error.stdout, error.stderr),
         ) from None
     if completed.returncode != 0:
         raise WorkerFailure(
             f"{worker} on {nprocs} processes exited with "
             f"{completed.returncode}.\n{_tail(completed.stdout)}\n"
-            f"{_tail(completed.stderr)}"
+            f"{_tail(completed.stderr)}",
+            output=_whole(completed.stdout, completed.stderr),
         )
     return [_read_report(result_dir, rank, worker) for rank in range(nprocs)]
 
@@ -224,6 +234,16 @@ def _read_report(result_dir, rank, worker):
         raise WorkerFailure(f"{worker}: rank {rank} reported nothing.")
     with open(path) as f:
         return json.load(f)
+
+
+def _whole(stdout, stderr):
+    """A launch's whole output: stdout, then stderr."""
+    parts = []
+    for text in (stdout, stderr):
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        parts.append(text or "")
+    return "\n".join(parts)
 
 
 def _tail(text, lines=60):

@@ -3,10 +3,11 @@
 Workers run on CPU and gloo whatever GPUs are visible, unless
 `KERAS_DTENSOR_TEST_NCCL=1` asks for NCCL and there is one GPU per
 process; every launch checks its collectives with
-`TORCH_DISTRIBUTED_DEBUG=DETAIL`.
+`TORCH_DISTRIBUTED_DEBUG=DETAIL`. A failed launch keeps its whole output.
 """
 
 import harness
+import pytest
 
 BASE = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1"}
 
@@ -53,3 +54,19 @@ def test_os_environ_is_the_default_base(monkeypatch):
     assert env["KERAS_DTENSOR_HARNESS_PROBE"] == "x"
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["KERAS_DTENSOR_TIMEOUT_SECONDS"] == "30"
+
+
+def test_a_failed_launch_keeps_its_whole_output(tmp_path):
+    script = tmp_path / "noisy_worker.py"
+    script.write_text(
+        "import sys\n"
+        "for i in range(200):\n"
+        "    print('line', i, file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    with pytest.raises(harness.WorkerFailure) as failure:
+        harness.launch(str(script), 1, tmp_path, timeout=120)
+    message = str(failure.value)
+    assert "line 199" in message and "line 0\n" not in message
+    assert "line 0\n" in failure.value.output
+    assert "line 199" in failure.value.output

@@ -10,10 +10,13 @@
 # Odd iterations run with TORCH_DISTRIBUTED_DEBUG=DETAIL (the harness's
 # default: a mismatched collective fails naming both ops), even ones with
 # it OFF, as a user runs (a mismatch there is a gloo abort or a hang).
-# Every launch is counted as ok, abort (a rank killed by SIGABRT, or gloo's
-# "Received data size doesn't match expected size"), timeout (the launch
-# outlived STRESS_LAUNCH_TIMEOUT, default 400 s) or other failure. No
-# iteration starts after STRESS_MAX_SECONDS (default 3600) have passed.
+# Every launch is counted as ok, abort (a rank killed by a signal: SIGABRT,
+# SIGSEGV, SIGBUS, SIGILL, SIGFPE; or gloo's "Received data size doesn't
+# match expected size"), timeout (the launch outlived
+# STRESS_LAUNCH_TIMEOUT, default 400 s) or other failure; a failed
+# launch's whole output (workers run with PYTHONFAULTHANDLER=1) is kept in
+# failure.txt in its directory. No iteration starts after
+# STRESS_MAX_SECONDS (default 3600) have passed.
 # The last line is the summary; the exit status is 0 only if every launch
 # was ok.
 set -euo pipefail
@@ -54,11 +57,14 @@ launch_timeout = int(os.environ.get("STRESS_LAUNCH_TIMEOUT", "400"))
 max_seconds = float(os.environ.get("STRESS_MAX_SECONDS", "3600"))
 
 
+SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
+
+
 def outcome(failure):
     text = str(failure)
     if "did not finish within" in text:
         return "timeout"
-    if "SIGABRT" in text or "Received data size" in text:
+    if any(name in text for name in SIGNALS) or "Received data size" in text:
         return "abort"
     return "other"
 
@@ -88,6 +94,8 @@ for iteration in range(1, iterations + 1):
             # The whole output (every rank's message), kept for diagnosis.
             with open(os.path.join(work, "failure.txt"), "w") as f:
                 f.write(str(failure))
+                f.write("\n===== whole output =====\n")
+                f.write(failure.output or "")
             print(str(failure)[-3000:], flush=True)
             print(f"whole output: {work}/failure.txt", flush=True)
         counts[result] += 1
