@@ -54,7 +54,7 @@ DTensors with the placements and global shapes of the watched call.
 A layer whose call depends on Python state other than its arguments and
 variables, changed between calls, is outside what the watched call
 proves. `KERAS_DTENSOR_BATCH_LOCAL=0` in the environment (read at import)
-turns local calls off: every layer then runs on DTensors.
+turns local calls off: every layer (and loss) then runs on DTensors.
 
 Collectives: a local call issues none; the watched call issues those of
 the DTensor call. A verdict depends only on the program and the global
