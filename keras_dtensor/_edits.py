@@ -365,23 +365,40 @@ def edit_layer_call_runs_batch_local(layer_module):
     """
     if not _is_torch_backend():
         return
-    import torch
-
-    current_distribution = distribution_accessor()
     from keras.src.backend.torch import batch_local
-    from keras.src.backend.torch import created_tensors
 
     upstream_call = layer_module.Layer.__call__
-    in_step = created_tensors.replicating_created_tensors
-    compiling = torch.compiler.is_compiling
+    in_eager_step = _in_eager_distributed_step_check()
 
     def __call__(self, *args, **kwargs):
-        # First: under torch.compile, dynamo traces none of this.
-        if compiling() or current_distribution() is None or not in_step():
+        if not in_eager_step():
             return upstream_call(self, *args, **kwargs)
         return batch_local.call_layer(self, upstream_call, args, kwargs)
 
     layer_module.Layer.__call__ = __call__
+
+
+def _in_eager_distributed_step_check():
+    """A function telling whether a call runs in an eager distributed step.
+
+    That is: not under `torch.compile` (checked first: dynamo traces none
+    of the rest), a distribution set, and `replicate_created_tensors`
+    active (a step's context, not suspended by a local call).
+    """
+    import torch
+
+    from keras.src.backend.torch import created_tensors
+
+    current_distribution = distribution_accessor()
+    in_step = created_tensors.replicating_created_tensors
+    compiling = torch.compiler.is_compiling
+
+    def in_eager_step():
+        return (
+            not compiling() and current_distribution() is not None and in_step()
+        )
+
+    return in_eager_step
 
 
 def edit_loss_call_runs_batch_local(losses_module):
@@ -396,19 +413,14 @@ def edit_loss_call_runs_batch_local(losses_module):
     """
     if not _is_torch_backend():
         return
-    import torch
-
-    current_distribution = distribution_accessor()
     from keras.src.backend.torch import batch_local
-    from keras.src.backend.torch import created_tensors
 
     wrapper_class = losses_module.LossFunctionWrapper
     upstream_call = wrapper_class.call
-    in_step = created_tensors.replicating_created_tensors
-    compiling = torch.compiler.is_compiling
+    in_eager_step = _in_eager_distributed_step_check()
 
     def call(self, y_true, y_pred):
-        if compiling() or current_distribution() is None or not in_step():
+        if not in_eager_step():
             return upstream_call(self, y_true, y_pred)
         return batch_local.call_layer(self, upstream_call, (y_true, y_pred), {})
 
