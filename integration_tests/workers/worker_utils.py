@@ -64,6 +64,22 @@ def report():
     with open(path + ".tmp", "w") as f:
         json.dump(_REPORT, f)
     os.replace(path + ".tmp", path)
+    _destroy_process_group()
+
+
+def _destroy_process_group():
+    """Tears the process group down before the interpreter exits.
+
+    Left to interpreter exit, gloo's threads (and those of `DETAIL`'s
+    wrapper group) were torn down by static destructors: a worker once
+    ended in "terminate called without an active exception" (SIGABRT)
+    after its Python code had finished. Every collective of the worker
+    has completed by now; tearing down issues none.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def set_distribution(mode, layouts=None, auto_shard_dataset=True):
