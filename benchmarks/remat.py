@@ -8,8 +8,10 @@ A stack of transformer blocks (each block one Keras layer, `b{i}`, with
 pre-norm attention written with `keras.ops` and a GELU MLP) is trained in
 each mode (`dp`: DataParallel, `tp`: tensor parallel on a (1, N) mesh by
 `tensor_parallel_layouts`, `fsdp`: fully sharded by
-`fully_sharded_layouts`) twice: as it is, and with every block recomputed
-in backward (`kd.remat_layers(model, r"b\\d+")`). For each, per rank:
+`fully_sharded_layouts`; `single`: no distribution, each process on its
+own, Keras's remat as upstream runs it) twice: as it is, and with every
+block recomputed in backward (`kd.remat_layers(model, r"b\\d+")`). For
+each, per rank:
 
 - peak activation memory of one training step (the third): on CPU, torch's
   `MemTracker` peak, less the parameters, gradients, optimizer state
@@ -25,6 +27,7 @@ compared. Results: a markdown table on stdout (rank 0) and
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -45,6 +48,7 @@ from keras import ops  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("dp", "tp", "fsdp")
+ALL_MODES = ("single",) + MODES
 PATTERN = r"b\d+"
 PLAN = {r"b\d+/(q|k|v|up)": "column", r"b\d+/(o|down)": "row"}
 # Memory categories of `MemTracker` that are model state, not activations.
@@ -113,7 +117,9 @@ def make_model(mode, args, use_remat):
     keras.utils.set_random_seed(args.seed)
     devices = keras.distribution.list_devices()
     world = len(devices)
-    if mode == "dp":
+    if mode == "single":
+        model = build_model(args)
+    elif mode == "dp":
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(devices=devices)
         )
@@ -182,10 +188,11 @@ def measure_mode(mode, args, x, y):
     for use_remat in (False, True):
         name = "remat" if use_remat else "plain"
         model = make_model(mode, args, use_remat)
-        distribution = keras.distribution.distribution()
+        scope = keras.distribution.distribution()
+        scope = contextlib.nullcontext if scope is None else scope.scope
 
-        def step(model=model, distribution=distribution):
-            with distribution.scope():
+        def step(model=model, scope=scope):
+            with scope():
                 return float(model.train_on_batch(x, y))
 
         result[f"{name}_first_loss"] = step()
@@ -232,7 +239,11 @@ def parse_args(argv=None):
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"Comma-separated, of {', '.join(ALL_MODES)}.",
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
@@ -253,6 +264,8 @@ def main(argv=None):
     x, y = make_batch(args)
     results = {}
     for mode in args.modes.split(","):
+        if mode not in ALL_MODES:
+            raise ValueError(f"Unknown mode {mode!r}; one of {ALL_MODES}.")
         results[mode] = measure_mode(mode, args, x, y)
     if not dist.is_initialized() or dist.get_rank() == 0:
         text = table(results)
