@@ -13,6 +13,13 @@ the count of each collective (counts, not times):
   `ModelParallel` on a (1, 2) mesh: 1 all-reduce forward (counted when
   the loss function is called) and 1 backward (the rest of the step), the
   minimum; no gradient needs a reduction after backward.
+- The same MLP fully sharded (`fully_sharded_layouts` on a (2,) "batch"
+  mesh, its two hidden kernels sharded): each layer runs on local tensors
+  and reads its sharded kernel all-gathered once, so forward issues one
+  all-gather per sharded kernel, backward one reduce-scatter per sharded
+  kernel, and the replicated variables (biases, the head's kernel) share
+  one gradient bucket; the loss adds its all-reduce. The kernels keep
+  their shards, and the trained weights equal the single-process ones.
 The losses equal a single-process run's.
 """
 
@@ -20,9 +27,21 @@ import harness
 import numpy as np
 import pytest
 
-RUNS = ["dp:sgd", "dp:adamw", "dp:sgd:0", "tp:sgd", "tp:adamw"]
+RUNS = [
+    "dp:sgd",
+    "dp:adamw",
+    "dp:sgd:0",
+    "tp:sgd",
+    "tp:adamw",
+    "fsdp:sgd",
+    "fsdp:adamw",
+]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
+ALL_GATHER = "c10d_functional.all_gather_into_tensor"
+REDUCE_SCATTER = "c10d_functional.reduce_scatter_tensor"
+# The variables that `fully_sharded_layouts` shards in the `fsdp` runs.
+FSDP_SHARDED = ("d1/kernel", "d2/kernel")
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +97,43 @@ def test_losses_equal_single_process(reports, run):
             report[f"{run}/reference_losses"],
             rtol=1e-5,
         )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fully_sharded_step_gathers_each_sharded_kernel_once(
+    reports, optimizer
+):
+    """One all-gather per sharded kernel forward, one reduce-scatter per
+    sharded kernel backward, one bucket for the replicated variables."""
+    sharded = len(FSDP_SHARDED)
+    for report in reports:
+        run = f"fsdp:{optimizer}"
+        assert report[f"{run}/forward_counts"] == {ALL_GATHER: sharded}
+        assert counts(report, run) == {
+            ALL_GATHER: sharded,
+            REDUCE_SCATTER: sharded,
+            BUCKETED: 1,
+            DTENSOR_ALL_REDUCE: 1,
+        }
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fully_sharded_variables_keep_their_shards(reports, optimizer):
+    for report in reports:
+        layouts = report[f"fsdp:{optimizer}/layouts"]
+        assert layouts["d1/kernel"] == [["S(1)"], [16, 16]]
+        assert layouts["d2/kernel"] == [["S(0)"], [16, 32]]
+        assert layouts["head/kernel"] == [["R"], [32, 4]]
+        assert layouts["d1/bias"] == [["R"], [32]]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fully_sharded_weights_equal_single_process(reports, optimizer):
+    for report in reports:
+        run = f"fsdp:{optimizer}"
+        reference = report[f"{run}/reference_weights"]
+        assert set(report[f"{run}/weights"]) == set(reference)
+        for path, value in report[f"{run}/weights"].items():
+            np.testing.assert_allclose(
+                value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
+            )

@@ -2,16 +2,21 @@
 
 Usage: collectives_worker.py RUN [RUN ...] (under torchrun), each RUN
 being `MODE:OPTIMIZER[:CAP]`:
-  MODE: `dp` (`DataParallel`, a 3-layer MLP) or `tp` (`ModelParallel` on a
+  MODE: `dp` (`DataParallel`, a 3-layer MLP), `tp` (`ModelParallel` on a
     (1, N) mesh, a replicated layer, then a Megatron MLP block: column-
-    then row-parallel kernels, then a replicated head).
+    then row-parallel kernels, then a replicated head) or `fsdp`
+    (`ModelParallel` on an (N,) "batch" mesh, the MLP of `dp` laid out by
+    `fully_sharded_layouts`: its two hidden kernels sharded, the head's
+    kernel and the biases replicated).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
 After two warm-up steps, one `train_on_batch` runs under `CommDebugMode`;
 the counts per collective are reported under `<RUN>/counts`, those of
 forward alone (up to the loss) under `<RUN>/forward_counts`, with the
 number of trainable variables, the losses, and the losses of the same
-model trained without a distribution on the same batches.
+model trained without a distribution on the same batches. Under `fsdp`,
+also each variable's placements and local shape, and the final weights of
+both models.
 """
 
 import os
@@ -23,6 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from worker_utils import record
 
 import keras
+import keras_dtensor as kd
 
 BATCH, FEATURES, HIDDEN = 8, 16, 32
 
@@ -30,7 +36,7 @@ BATCH, FEATURES, HIDDEN = 8, 16, 32
 def build(mode):
     """A 3-layer MLP for `dp`, the Megatron block model for `tp`."""
     inputs = keras.Input((FEATURES,))
-    if mode == "dp":
+    if mode in ("dp", "fsdp"):
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(inputs)
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
     else:
@@ -52,6 +58,24 @@ MP_LAYOUTS = {
 }
 
 
+# Under `fsdp`, variables of at least this many elements are sharded: the
+# kernels of d1 (512) and d2 (1024), not the head's (128).
+FSDP_MIN_SIZE = 256
+
+
+def set_fully_sharded_distribution():
+    """`ModelParallel` on an (N,) "batch" mesh, by `fully_sharded_layouts`."""
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices),), ("batch",), devices)
+    with keras.StatelessScope():
+        layout_map = kd.fully_sharded_layouts(
+            build("fsdp"), mesh, "batch", min_size=FSDP_MIN_SIZE
+        )
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+
+
 # The `CommDebugMode` of the counted step, while it runs.
 _COUNTING = []
 # The counts when the loss was computed, i.e. after forward.
@@ -71,10 +95,13 @@ def counted_mse(y_true, y_pred):
 def train(mode, optimizer_name, distributed=True):
     """Returns the model and its losses over 3 steps (the last counted)."""
     # `tp` is tensor parallelism on the (1, N) mesh of `mp`.
-    distribution_mode = {"dp": "dp", "tp": "mp"}[mode]
-    worker_utils.set_distribution(
-        distribution_mode if distributed else "single", MP_LAYOUTS
-    )
+    if mode == "fsdp" and distributed:
+        set_fully_sharded_distribution()
+    else:
+        distribution_mode = {"dp": "dp", "tp": "mp", "fsdp": "single"}[mode]
+        worker_utils.set_distribution(
+            distribution_mode if distributed else "single", MP_LAYOUTS
+        )
     keras.utils.set_random_seed(7)
     model = build(mode)
     optimizer = (
@@ -107,8 +134,35 @@ def run(spec):
     record(f"{spec}/forward_counts", dict(_FORWARD_COUNTS))
     record(f"{spec}/trainable", len(model.trainable_variables))
     record(f"{spec}/losses", losses)
-    _, reference, _ = train(mode, optimizer_name, distributed=False)
+    if mode == "fsdp":
+        record(f"{spec}/layouts", variable_layouts(model))
+        record(f"{spec}/weights", weights(model))
+    reference_model, reference, _ = train(
+        mode, optimizer_name, distributed=False
+    )
     record(f"{spec}/reference_losses", reference)
+    if mode == "fsdp":
+        record(f"{spec}/reference_weights", weights(reference_model))
+
+
+def variable_layouts(model):
+    """Per variable path, its placements and local shape on this rank."""
+    return {
+        v.path: [[str(p) for p in v.value.placements], list(local_shape(v))]
+        for v in model.weights
+    }
+
+
+def local_shape(variable):
+    return variable.value.to_local().shape
+
+
+def weights(model):
+    """Per variable path, its full value (a list)."""
+    return {
+        v.path: keras.ops.convert_to_numpy(v.value).tolist()
+        for v in model.weights
+    }
 
 
 def main():

@@ -25,7 +25,8 @@ with that signature on, the layer runs locally if the watched call:
   all DTensors with those placements and no Keras mask;
 - issued no collective (the sequence numbers of the mesh's process
   groups did not move);
-- holds only replicated DTensor variables and assigned no variable (no
+- holds only DTensor variables that are replicated, or sharded only
+  over mesh axes that split the batch, and assigned no variable (no
   assignment to a DTensor variable, and its own variables' version
   counters did not move), drew no random values (the
   default generators' states did not move, and the step's torch function
@@ -51,13 +52,26 @@ variable used with split inputs is) through a Keras `StatelessScope`, runs
 with `replicate_created_tensors` suspended, and returns its outputs as
 DTensors with the placements and global shapes of the watched call.
 
+Variables sharded over the batch axes (fully sharded layouts) are read
+whole: the watched call reads each one all-gathered (a replicated DTensor
+standing in for its value during the call), and a local call reads the
+local tensor of its all-gathered value, gathered at its first read in the
+call. Its gradient, a partial sum over the batch axes, is reduce-scattered
+back to the variable's shards in backward. A layer then costs one
+all-gather of each sharded variable in forward and one reduce-scatter in
+backward, as FSDP's units do, where DTensor's own operators would pick
+their redistributions operator by operator. The gathered values live
+until backward has used them.
+
 A layer whose call depends on Python state other than its arguments and
 variables, changed between calls, is outside what the watched call
 proves. `KERAS_DTENSOR_BATCH_LOCAL=0` in the environment (read at import)
 turns local calls off: every layer (and loss) then runs on DTensors.
 
-Collectives: a local call issues none; the watched call issues those of
-the DTensor call. A verdict depends only on the program and the global
+Collectives: a local call issues none but the gathers of its sharded
+variables, in the order the call first reads them, and their
+reduce-scatters in backward; the watched call issues those of the
+DTensor call. A verdict depends only on the program and the global
 shapes, so every process takes the same path, and the layers' collectives
 stay in lockstep.
 """
@@ -225,10 +239,11 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
         The outputs, and the `_Verdict` (None: the layer must run on
         DTensors with this signature).
     """
-    before = _Snapshot(layer, mesh)
-    outputs = upstream_call(layer, *args, **kwargs)
+    before = _Snapshot(layer, mesh, placements)
+    with _GatheredVariables(layer, placements, before.groups) as gathered:
+        outputs = upstream_call(layer, *args, **kwargs)
     verdict = None
-    if before.unchanged(layer):
+    if before.unchanged(layer, gathered.collectives):
         output_specs = _output_specs(outputs, placements, mesh)
         if output_specs is not None:
             verdict = _Verdict(
@@ -240,49 +255,168 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
 class _Snapshot:
     """What a watched call must leave unchanged to be local."""
 
-    def __init__(self, layer, mesh):
+    def __init__(self, layer, mesh, placements):
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self.placements = placements
         self.sequence = self._sequence_numbers()
         self.generators = _generator_states()
         self.draws = created_tensors.draw_count()
         self.effects = _effect_count()
-        self.variables = _replicated_variable_versions(layer)
+        self.variables = _variable_versions(layer, placements)
         self.losses = _loss_count(layer)
 
     def _sequence_numbers(self):
-        return [g._get_sequence_number_for_group() for g in self.groups]
+        return _sequence_numbers(self.groups)
 
-    def unchanged(self, layer):
-        """Whether the call communicated, drew, assigned or relaid nothing."""
+    def unchanged(self, layer, gathers):
+        """Whether the call communicated, drew, assigned or relaid nothing.
+
+        Args:
+            layer: the watched layer.
+            gathers: per mesh dimension, the collectives that gathered
+                sharded variables for the call (`_GatheredVariables`), the
+                only ones it may have issued.
+        """
         if self.variables is None or _remat_anywhere(layer):
             return False
+        expected = [
+            number + gathers[dim] for dim, number in enumerate(self.sequence)
+        ]
         return (
-            self._sequence_numbers() == self.sequence
+            self._sequence_numbers() == expected
             and created_tensors.draw_count() == self.draws
             and _effect_count() == self.effects
             and _same_versions(
-                _replicated_variable_versions(layer), self.variables
+                _variable_versions(layer, self.placements), self.variables
             )
             and _loss_count(layer) == self.losses
             and _same_states(_generator_states(), self.generators)
         )
 
 
-def _replicated_variable_versions(layer):
+def _sequence_numbers(groups):
+    """The collectives issued so far on each process group."""
+    return [group._get_sequence_number_for_group() for group in groups]
+
+
+def _variable_versions(layer, placements):
     """The layer's variables' values and their versions.
 
-    None unless every value is a replicated DTensor. An assignment either
-    replaces a value or writes into its local tensor (a new version).
+    None unless every value is a DTensor that a local call can read
+    (`_readable_locally`). An assignment either replaces a value or writes
+    into its local tensor (a new version).
     """
     versions = []
     for variable in getattr(layer, "variables", ()):
         value = variable._value
-        if not isinstance(value, DTensor) or not all(
-            p.is_replicate() for p in value.placements
-        ):
+        if not _readable_locally(value, placements):
             return None
         versions.append((value, value._local_tensor._version))
     return versions
+
+
+def _readable_locally(value, placements):
+    """Whether a local call can read `value`.
+
+    It can read a DTensor that is replicated on every mesh axis, or split
+    only along mesh axes that split the batch (a fully sharded variable):
+    the local call reads its full value, all-gathered over those axes.
+
+    Args:
+        value: a variable's value.
+        placements: the call's batch placements, or the gradient
+            placements of its variable views (`Partial` where the batch
+            is split).
+    """
+    if not isinstance(value, DTensor):
+        return False
+    return all(
+        p.is_replicate()
+        or (p.is_shard() and (batch.is_shard() or batch.is_partial()))
+        for p, batch in zip(value.placements, placements)
+    )
+
+
+def _is_sharded(value):
+    return any(p.is_shard() for p in value.placements)
+
+
+def _gather(value):
+    """The full value of a sharded DTensor variable, replicated.
+
+    All-gathers over the mesh axes that split it, differentiably: the
+    gradient, a partial sum over the batch axes in a local call, is
+    reduce-scattered back to the variable's placements in backward.
+    """
+    mesh = value.device_mesh
+    return value.redistribute(mesh, (Replicate(),) * mesh.ndim)
+
+
+class _GatheredVariables:
+    """Reads the layer's sharded variables gathered during a watched call.
+
+    The call then runs on DTensors as a local call would run on local
+    tensors: with every variable replicated. Each sharded variable's
+    value is replaced by its gathered value for the duration of the call,
+    so Keras reads it as usual, and restored after it.
+
+    Attributes:
+        collectives: per mesh dimension (process group in `groups`), the
+            collectives the gathers issued.
+    """
+
+    def __init__(self, layer, placements, groups):
+        self.layer = layer
+        self.groups = groups
+        self.collectives = [0] * len(groups)
+        self.sharded = [
+            (variable, variable._value)
+            for variable in getattr(layer, "variables", ())
+            if _readable_locally(variable._value, placements)
+            and _is_sharded(variable._value)
+        ]
+        self.gathered = []
+
+    def __enter__(self):
+        if not self.sharded:
+            return self
+        before = _sequence_numbers(self.groups)
+        try:
+            for variable, value in self.sharded:
+                gathered = _gather(value)
+                variable._value = gathered
+                self.gathered.append(
+                    (gathered, gathered._local_tensor._version)
+                )
+        except BaseException:
+            self._restore()
+            raise
+        after = _sequence_numbers(self.groups)
+        self.collectives = [b - a for a, b in zip(before, after)]
+        return self
+
+    def _restore(self):
+        """Gives the variables their values back; returns the paths of
+        those whose gathered value was written into."""
+        changed = []
+        for (variable, value), (gathered, version) in zip(
+            self.sharded, self.gathered
+        ):
+            if variable._value is gathered:
+                variable._value = value
+            if gathered._local_tensor._version != version:
+                changed.append(variable.path)
+        return changed
+
+    def __exit__(self, *exc_info):
+        changed = self._restore()
+        if changed and exc_info[0] is None:
+            raise RuntimeError(
+                f"{_describe(self.layer)} assigned its sharded variables "
+                f"{changed} in its call. Variables sharded over the batch "
+                "axes are read gathered in a training step and cannot be "
+                "assigned in a layer's call."
+            )
 
 
 def _same_versions(first, second):
@@ -493,7 +627,10 @@ class _LocalVariables(StatelessScope):
 
     The view of a replicated DTensor variable is its local tensor, whose
     gradient goes back to the variable as a DTensor with
-    `gradient_placements`.
+    `gradient_placements`. The view of a variable sharded over the batch
+    axes is the local tensor of its all-gathered value (one all-gather
+    per variable and call, at its first read); its gradient is
+    reduce-scattered back to the variable's placements.
     """
 
     def __init__(self, layer, gradient_placements):
@@ -504,8 +641,11 @@ class _LocalVariables(StatelessScope):
     def get_current_value(self, variable):
         view = self.state_mapping.get(id(variable))
         if view is None:
+            spec = self._gradient_spec(variable)
             value = variable._value
-            view = _LocalView.apply(value, self._gradient_spec(variable))
+            if _is_sharded(value):
+                value = _gather(value)
+            view = _LocalView.apply(value, spec)
             self.state_mapping[id(variable)] = view
         return view
 
@@ -513,18 +653,18 @@ class _LocalVariables(StatelessScope):
         """The spec of the gradient of the variable's local view.
 
         Made once per value and gradient placements, and kept on the
-        value (a replicated DTensor: its placements never change).
+        value (a DTensor whose placements never change; a sharded value's
+        global shape and stride are its gathered value's).
         """
         value = variable._value
         specs = getattr(value, _GRADIENT_SPECS_ATTRIBUTE, None)
         if specs is None:
-            if not isinstance(value, DTensor) or not all(
-                p.is_replicate() for p in value.placements
-            ):
+            if not _readable_locally(value, self.gradient_placements):
                 raise RuntimeError(
                     f"{_describe(self.layer)} runs on local shards but "
-                    f"read variable '{variable.path}', which is not a "
-                    "replicated DTensor and is not one of its variables."
+                    f"read variable '{variable.path}', which is neither "
+                    "replicated nor sharded over the batch axes only, and "
+                    "is not one of its variables."
                 )
             specs = {}
             setattr(value, _GRADIENT_SPECS_ATTRIBUTE, specs)

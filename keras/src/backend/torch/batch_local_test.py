@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -255,6 +256,73 @@ class BatchLocalTest(testing.TestCase):
         (gradient,) = torch.autograd.grad(view.sum(), value)
         self.assertEqual(tuple(gradient.placements), placements)
         self.assertAllClose(gradient.to_local().numpy(), np.ones((5, 3)))
+
+    def sharded_layer(self, layer, input_shape):
+        """Builds `layer` with its kernel sharded over the batch axis."""
+        layout_map = distribution_api.LayoutMap(self.mesh)
+        layout_map[".*kernel"] = ("batch", None)
+        distribution_api.set_distribution(
+            distribution_api.ModelParallel(layout_map=layout_map)
+        )
+        layer.build(input_shape)
+        self.assertEqual(tuple(layer.kernel.value.placements), (Shard(0),))
+        return layer
+
+    def test_sharded_variables_are_read_gathered_and_run_locally(self):
+        dense = self.sharded_layer(layers.Dense(3), (None, 4))
+        value = dense.kernel._value
+        x = self.batch((6, 4))
+        outputs, gradients = [], []
+        gather = mock.patch.object(
+            batch_local, "_gather", wraps=batch_local._gather
+        )
+        with gather as gathered:
+            for _ in range(2):  # watched, then local
+                value.grad = None
+                out = self.call_in_step(dense, x)
+                (out * out).sum().backward()
+                outputs.append(out.to_local().detach().numpy())
+                gradients.append(value.grad)
+        # One gather of the kernel per call; the kernel keeps its value.
+        self.assertEqual(gathered.call_count, 2)
+        self.assertIs(dense.kernel._value, value)
+        self.assertIsNotNone(self.verdicts(dense)[0])
+        self.assertAllClose(outputs[1], outputs[0])
+        for gradient in gradients:
+            self.assertEqual(tuple(gradient.placements), (Shard(0),))
+        self.assertAllClose(
+            gradients[1].to_local().numpy(), gradients[0].to_local().numpy()
+        )
+
+    def test_assigning_a_gathered_variable_in_a_call_raises(self):
+        class Assigning(layers.Layer):
+            def build(self, input_shape):
+                self.kernel = self.add_weight(shape=(4, 3), name="kernel")
+
+            def call(self, x):
+                self.kernel.assign(self.kernel + 1.0)
+                return x
+
+        layer = self.sharded_layer(Assigning(name="assigning"), (None, 4))
+        value = layer.kernel._value
+        with self.assertRaisesRegex(RuntimeError, "assigning/kernel"):
+            self.call_in_step(layer, self.batch((6, 4)))
+        self.assertIs(layer.kernel._value, value)
+
+    def test_readable_locally(self):
+        mesh = self.mesh.backend_mesh
+        values = torch.zeros((4, 2))
+        replicated = distribute_tensor(values, mesh, [Replicate()])
+        sharded = distribute_tensor(values, mesh, [Shard(1)])
+        readable = batch_local._readable_locally
+        self.assertTrue(readable(replicated, (Shard(0),)))
+        self.assertTrue(readable(replicated, (Replicate(),)))
+        # Sharded over an axis that splits the batch, or whose gradient is
+        # a partial sum over it.
+        self.assertTrue(readable(sharded, (Shard(0),)))
+        self.assertTrue(readable(sharded, (Partial(),)))
+        self.assertFalse(readable(sharded, (Replicate(),)))
+        self.assertFalse(readable(values, (Shard(0),)))
 
     def test_calls_without_a_distribution_are_upstream(self):
         dense = layers.Dense(3)
