@@ -16,9 +16,11 @@ the count of each collective (counts, not times):
 - The same MLP fully sharded (`fully_sharded_layouts` on a (2,) "batch"
   mesh, its two hidden kernels sharded): each layer runs on local tensors
   and reads its sharded kernel all-gathered once, so forward issues one
-  all-gather per sharded kernel, backward one reduce-scatter per sharded
-  kernel, and the replicated variables (biases, the head's kernel) share
-  one gradient bucket; the loss adds its all-reduce. The kernels keep
+  all-gather per sharded kernel; gathered kernels are freed after
+  forward, and backward gathers again the one it needs (d2's, for d1's
+  output gradient), then reduce-scatters each sharded kernel's gradient;
+  the replicated variables (biases, the head's kernel) share one gradient
+  bucket; the loss adds its all-reduce. The kernels keep
   their shards, and the trained weights equal the single-process ones.
 The losses equal a single-process run's.
 """
@@ -103,14 +105,16 @@ def test_losses_equal_single_process(reports, run):
 def test_fully_sharded_step_gathers_each_sharded_kernel_once(
     reports, optimizer
 ):
-    """One all-gather per sharded kernel forward, one reduce-scatter per
-    sharded kernel backward, one bucket for the replicated variables."""
+    """One all-gather per sharded kernel forward, one more in backward
+    for d2's kernel (d1's is not needed: the input needs no gradient), one
+    reduce-scatter per sharded kernel, one bucket for the replicated
+    variables."""
     sharded = len(FSDP_SHARDED)
     for report in reports:
         run = f"fsdp:{optimizer}"
         assert report[f"{run}/forward_counts"] == {ALL_GATHER: sharded}
         assert counts(report, run) == {
-            ALL_GATHER: sharded,
+            ALL_GATHER: sharded + 1,
             REDUCE_SCATTER: sharded,
             BUCKETED: 1,
             DTENSOR_ALL_REDUCE: 1,

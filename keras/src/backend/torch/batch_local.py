@@ -55,13 +55,16 @@ DTensors with the placements and global shapes of the watched call.
 Variables sharded over the batch axes (fully sharded layouts) are read
 whole: the watched call reads each one all-gathered (a replicated DTensor
 standing in for its value during the call), and a local call reads the
-local tensor of its all-gathered value, gathered at its first read in the
-call. Its gradient, a partial sum over the batch axes, is reduce-scattered
-back to the variable's shards in backward. A layer then costs one
+local tensor of its all-gathered value, gathered at each read. Its
+gradient, a partial sum over the batch axes, is reduce-scattered back to
+the variable's shards in backward. A layer then costs one
 all-gather of each sharded variable in forward and one reduce-scatter in
 backward, as FSDP's units do, where DTensor's own operators would pick
-their redistributions operator by operator. The gathered values live
-until backward has used them.
+their redistributions operator by operator. A gathered value is freed
+once forward is done with it, as FSDP's `reshard_after_forward` does:
+what backward needs of it is saved as a note, and gathered again when
+backward first needs it (saved-tensor hooks; inside a checkpoint, the
+recomputation gathers again instead).
 
 A layer whose call depends on Python state other than its arguments and
 variables, changed between calls, is outside what the watched call
@@ -69,11 +72,11 @@ proves. `KERAS_DTENSOR_BATCH_LOCAL=0` in the environment (read at import)
 turns local calls off: every layer (and loss) then runs on DTensors.
 
 Collectives: a local call issues none but the gathers of its sharded
-variables, in the order the call first reads them, and their
-reduce-scatters in backward; the watched call issues those of the
-DTensor call. A verdict depends only on the program and the global
-shapes, so every process takes the same path, and the layers' collectives
-stay in lockstep.
+variables, in the order the call reads them, and in backward the
+gathers again and the reduce-scatters, in autograd's order; the watched
+call issues those of the DTensor call. A verdict depends only on the
+program and the global shapes, so every process takes the same path, and
+the layers' collectives stay in lockstep.
 """
 
 import contextlib
@@ -216,11 +219,14 @@ class _Verdict:
             global shape and global stride in the watched call.
         sublayers: the layer's sublayers in the watched call (none for a
             loss).
+        gathers: whether the layer reads variables sharded over the
+            batch axes (gathered for the call).
     """
 
-    def __init__(self, mesh, placements, outputs, sublayers):
+    def __init__(self, mesh, placements, outputs, sublayers, gathers):
         self.mesh = mesh
         self.sublayers = sublayers
+        self.gathers = gathers
         self.placements = placements
         self.gradient_placements = tuple(
             Partial() if p.is_shard() else Replicate() for p in placements
@@ -247,7 +253,11 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
         output_specs = _output_specs(outputs, placements, mesh)
         if output_specs is not None:
             verdict = _Verdict(
-                mesh, placements, output_specs, _sublayers(layer)
+                mesh,
+                placements,
+                output_specs,
+                _sublayers(layer),
+                gathers=bool(gathered.sharded),
             )
     return outputs, verdict
 
@@ -585,9 +595,12 @@ def _run_locally(layer, upstream_call, args, kwargs, verdict):
         suspended = contextlib.nullcontext()
     else:
         suspended = created_tensors.suspended()
-    with _LocalVariables(layer, verdict.gradient_placements):
-        with suspended:
-            return upstream_call(layer, *args, **kwargs)
+    # Inside a checkpoint, the checkpoint frees the gathered values with
+    # the rest, and its recomputation gathers them again.
+    regather = verdict.gathers and not _saved_tensors_hooked()
+    scope = _LocalVariables(layer, verdict.gradient_placements, regather)
+    with scope, suspended, scope.freeing_gathered_values():
+        return upstream_call(layer, *args, **kwargs)
 
 
 def _recompute_locally(layer, upstream_call, args, kwargs, verdict):
@@ -629,14 +642,17 @@ class _LocalVariables(StatelessScope):
     gradient goes back to the variable as a DTensor with
     `gradient_placements`. The view of a variable sharded over the batch
     axes is the local tensor of its all-gathered value (one all-gather
-    per variable and call, at its first read); its gradient is
-    reduce-scattered back to the variable's placements.
+    per read, not kept by the scope); its gradient is reduce-scattered
+    back to the variable's placements.
     """
 
-    def __init__(self, layer, gradient_placements):
+    def __init__(self, layer, gradient_placements, regather=False):
         super().__init__(initialize_variables=False)
         self.layer = layer
         self.gradient_placements = gradient_placements
+        # Storage address of each gathered value -> its `_GatheredValue`,
+        # when gathered values are freed after forward.
+        self.gathered = {} if regather else None
 
     def get_current_value(self, variable):
         view = self.state_mapping.get(id(variable))
@@ -644,10 +660,49 @@ class _LocalVariables(StatelessScope):
             spec = self._gradient_spec(variable)
             value = variable._value
             if _is_sharded(value):
-                value = _gather(value)
+                # Not kept: freed as soon as forward is done with it.
+                return self._gathered_view(value, spec)
             view = _LocalView.apply(value, spec)
             self.state_mapping[id(variable)] = view
         return view
+
+    def _gathered_view(self, value, spec):
+        """The local view of a sharded value, all-gathered for this read."""
+        view = _LocalView.apply(_gather(value), spec)
+        if self.gathered is not None and view.is_contiguous():
+            storage = view.untyped_storage().data_ptr()
+            self.gathered[storage] = _GatheredValue(value, view)
+            # The address may be reused once the view and its storage are
+            # freed: by then no saved tensor may be taken for it.
+            weakref.finalize(view, self.gathered.pop, storage, None)
+        return view
+
+    def freeing_gathered_values(self):
+        """Saved-tensor hooks that free gathered values after forward.
+
+        Autograd saves what backward needs; a saved gathered value (or a
+        view of one) is saved as a note of where it lies in the value, and
+        is gathered again, once per backward pass, when backward first
+        needs it. Other tensors are saved as they are.
+        """
+        if self.gathered is None:
+            return contextlib.nullcontext()
+        gathered = self.gathered
+
+        def pack(tensor):
+            if type(tensor) is not torch.Tensor:
+                return tensor
+            source = gathered.get(tensor.untyped_storage().data_ptr())
+            if source is None or tensor.dtype != source.dtype:
+                return tensor
+            return _SavedGathered(source, tensor)
+
+        def unpack(saved):
+            if isinstance(saved, _SavedGathered):
+                return saved.tensor()
+            return saved
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _gradient_spec(self, variable):
         """The spec of the gradient of the variable's local view.
@@ -679,6 +734,52 @@ class _LocalVariables(StatelessScope):
         raise RuntimeError(
             f"{_describe(self.layer)} runs on local shards but assigned "
             f"variable '{variable.path}', which its first call did not."
+        )
+
+
+class _GatheredValue:
+    """A sharded variable's gathered value in a local call, by reference.
+
+    Holds the variable's sharded value, not the gathered one, so that the
+    gathered value is freed once forward no longer uses it. `local()`
+    gathers it again for backward, once for every saved use.
+    """
+
+    def __init__(self, value, view):
+        self.value = value
+        self.dtype = view.dtype
+        self.offset = view.storage_offset()
+        self.uses = 0
+        self.cache = None
+
+    def local(self):
+        """The gathered local tensor, for one saved use in backward."""
+        if self.cache is None:
+            with torch.no_grad():
+                self.cache = _gather(self.value)._local_tensor.contiguous()
+        local = self.cache
+        self.uses -= 1
+        if self.uses == 0:
+            # The last saved use: backward frees it after this node.
+            self.cache = None
+        return local
+
+
+class _SavedGathered:
+    """A saved gathered value (or a view of one), gathered again when
+    backward unpacks it."""
+
+    def __init__(self, source, tensor):
+        source.uses += 1
+        self.source = source
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset() - source.offset
+
+    def tensor(self):
+        local = self.source.local()
+        return local.as_strided(
+            self.size, self.stride, local.storage_offset() + self.offset
         )
 
 

@@ -258,14 +258,17 @@ class BatchLocalTest(testing.TestCase):
         self.assertAllClose(gradient.to_local().numpy(), np.ones((5, 3)))
 
     def sharded_layer(self, layer, input_shape):
-        """Builds `layer` with its kernel sharded over the batch axis."""
+        """Builds `layer` with its kernels sharded over the batch axis."""
         layout_map = distribution_api.LayoutMap(self.mesh)
         layout_map[".*kernel"] = ("batch", None)
         distribution_api.set_distribution(
             distribution_api.ModelParallel(layout_map=layout_map)
         )
         layer.build(input_shape)
-        self.assertEqual(tuple(layer.kernel.value.placements), (Shard(0),))
+        for variable in layer.variables:
+            if variable.path.endswith("kernel"):
+                placements = tuple(variable.value.placements)
+                self.assertEqual(placements, (Shard(0),))
         return layer
 
     def test_sharded_variables_are_read_gathered_and_run_locally(self):
@@ -293,6 +296,32 @@ class BatchLocalTest(testing.TestCase):
         self.assertAllClose(
             gradients[1].to_local().numpy(), gradients[0].to_local().numpy()
         )
+
+    def test_backward_gathers_again_what_it_needs(self):
+        model = models.Sequential([layers.Dense(6), layers.Dense(3)])
+        model = self.sharded_layer(model, (None, 4))
+        x = self.batch((6, 4))
+        gradients, gathers = [], []
+        gather = mock.patch.object(
+            batch_local, "_gather", wraps=batch_local._gather
+        )
+        for _ in range(2):  # watched, then local
+            for variable in model.trainable_variables:
+                variable.value.grad = None
+            with gather as gathered:
+                out = self.call_in_step(model, x)
+                gathers.append(gathered.call_count)
+                (out * out).sum().backward()
+                gathers.append(gathered.call_count)
+            gradients.append(
+                [v.value.grad.to_local() for v in model.trainable_variables]
+            )
+        # Both calls gather both kernels in forward. Backward of the local
+        # call, whose saved kernels were not kept, gathers again the second
+        # one (the first is not needed: the input needs no gradient).
+        self.assertEqual(gathers, [2, 2, 2, 3])
+        for local, watched in zip(gradients[1], gradients[0]):
+            self.assertAllClose(local.numpy(), watched.numpy())
 
     def test_assigning_a_gathered_variable_in_a_call_raises(self):
         class Assigning(layers.Layer):
