@@ -35,7 +35,11 @@ expected size"), and a hang or wrong numbers on NCCL. Hence:
   hooks in the order the engine accumulates gradients, which on CPU runs
   on the thread that called backward; batch-end callbacks run on the main
   thread. A layer runs on local tensors (`batch_local`) only where its
-  first call issued no collective, a verdict every process reaches alike.
+  first call issued no collective other than the gathers of its fully
+  sharded variables, a verdict every process reaches alike; a local call
+  gathers those in the order the program reads them, and autograd's hooks
+  gather them again and reduce-scatter their gradients in the engine's
+  order, as they do the buckets.
 - A process that stops taking part (it died, or skipped a call) makes the
   others fail within `KERAS_DTENSOR_TIMEOUT_SECONDS`, never hang.
 """
