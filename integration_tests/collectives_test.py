@@ -1,7 +1,8 @@
 """Collectives per training step, counted with `CommDebugMode`.
 
-`workers/collectives_worker.py` runs one `train_on_batch` under
-`CommDebugMode` on 2 gloo processes after two warm-up steps, and reports
+`workers/collectives_worker.py` runs one `train_on_batch` under the
+benchmark's `CollectiveCounter` (a `CommDebugMode`) on 2 gloo processes
+after two warm-up steps, and reports
 the count of each collective (counts, not times):
 - `DataParallel` MLP: the gradients of all 6 variables are reduced in one
   bucketed all-reduce (`c10d.allreduce_`), and the loss in one DTensor
@@ -22,6 +23,12 @@ the count of each collective (counts, not times):
   the replicated variables (biases, the head's kernel) share one gradient
   bucket; the loss adds its all-reduce. The kernels keep
   their shards, and the trained weights equal the single-process ones.
+- Two blocks (each a layer of two Dense sublayers) and a head, fully
+  sharded: each block's two sharded kernels are gathered in one
+  all-gather and their gradients reduce-scattered in one, so a step
+  issues 2 all-gathers in forward, 2 more in backward (block2 for
+  block1's gradient, block1 for its second kernel's input gradient) and
+  2 reduce-scatters.
 The losses equal a single-process run's.
 """
 
@@ -37,6 +44,7 @@ RUNS = [
     "tp:adamw",
     "fsdp:sgd",
     "fsdp:adamw",
+    "fsdpblocks:sgd",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -137,6 +145,30 @@ def test_fully_sharded_weights_equal_single_process(reports, optimizer):
         run = f"fsdp:{optimizer}"
         reference = report[f"{run}/reference_weights"]
         assert set(report[f"{run}/weights"]) == set(reference)
+        for path, value in report[f"{run}/weights"].items():
+            np.testing.assert_allclose(
+                value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
+            )
+
+
+def test_fully_sharded_blocks_gather_each_block_once(reports):
+    """A block's sharded kernels share one all-gather each way and one
+    reduce-scatter."""
+    for report in reports:
+        run = "fsdpblocks:sgd"
+        assert report[f"{run}/forward_counts"] == {ALL_GATHER: 2}
+        assert counts(report, run) == {
+            ALL_GATHER: 4,
+            REDUCE_SCATTER: 2,
+            BUCKETED: 1,
+            DTENSOR_ALL_REDUCE: 1,
+        }
+        layouts = report[f"{run}/layouts"]
+        for block in ("block1", "block2"):
+            for dense in ("first", "second"):
+                placements, _ = layouts[f"{block}/{dense}/kernel"]
+                assert placements != ["R"], (block, dense)
+        reference = report[f"{run}/reference_weights"]
         for path, value in report[f"{run}/weights"].items():
             np.testing.assert_allclose(
                 value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path

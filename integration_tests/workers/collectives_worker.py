@@ -7,10 +7,12 @@ being `MODE:OPTIMIZER[:CAP]`:
     then row-parallel kernels, then a replicated head) or `fsdp`
     (`ModelParallel` on an (N,) "batch" mesh, the MLP of `dp` laid out by
     `fully_sharded_layouts`: its two hidden kernels sharded, the head's
-    kernel and the biases replicated).
+    kernel and the biases replicated) or `fsdpblocks` (the same layouts
+    for two blocks, each a layer of two Dense sublayers, then a head).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
-After two warm-up steps, one `train_on_batch` runs under `CommDebugMode`;
+After two warm-up steps, one `train_on_batch` runs under the benchmark's
+`CollectiveCounter` (a `CommDebugMode`);
 the counts per collective are reported under `<RUN>/counts`, those of
 forward alone (up to the loss) under `<RUN>/forward_counts`, with the
 number of trainable variables, the losses, and the losses of the same
@@ -24,19 +26,41 @@ import sys
 
 import numpy as np
 import worker_utils
-from torch.distributed.tensor.debug import CommDebugMode
 from worker_utils import record
 
-import keras
-import keras_dtensor as kd
+# The benchmark's collective counter: `CommDebugMode` without its module
+# tracker, which Keras layers nested in layers confuse.
+sys.path.insert(
+    0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+)
+from measure import CollectiveCounter  # noqa: E402
+
+import keras  # noqa: E402
+import keras_dtensor as kd  # noqa: E402
 
 BATCH, FEATURES, HIDDEN = 8, 16, 32
 
 
+class Block(keras.layers.Layer):
+    """Two Dense sublayers, the first with a ReLU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(HIDDEN, activation="relu", name="first")
+        self.second = keras.layers.Dense(HIDDEN, name="second")
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
 def build(mode):
-    """A 3-layer MLP for `dp`, the Megatron block model for `tp`."""
+    """A 3-layer MLP for `dp` and `fsdp`, the Megatron block model for
+    `tp`, two blocks and a head for `fsdpblocks`."""
     inputs = keras.Input((FEATURES,))
-    if mode in ("dp", "fsdp"):
+    if mode == "fsdpblocks":
+        x = Block(name="block1")(inputs)
+        x = Block(name="block2")(x)
+    elif mode in ("dp", "fsdp"):
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(inputs)
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
     else:
@@ -63,20 +87,20 @@ MP_LAYOUTS = {
 FSDP_MIN_SIZE = 256
 
 
-def set_fully_sharded_distribution():
+def set_fully_sharded_distribution(mode):
     """`ModelParallel` on an (N,) "batch" mesh, by `fully_sharded_layouts`."""
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((len(devices),), ("batch",), devices)
     with keras.StatelessScope():
         layout_map = kd.fully_sharded_layouts(
-            build("fsdp"), mesh, "batch", min_size=FSDP_MIN_SIZE
+            build(mode), mesh, "batch", min_size=FSDP_MIN_SIZE
         )
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map)
     )
 
 
-# The `CommDebugMode` of the counted step, while it runs.
+# The `CollectiveCounter` of the counted step, while it runs.
 _COUNTING = []
 # The counts when the loss was computed, i.e. after forward.
 _FORWARD_COUNTS = {}
@@ -95,10 +119,10 @@ def counted_mse(y_true, y_pred):
 def train(mode, optimizer_name, distributed=True):
     """Returns the model and its losses over 3 steps (the last counted)."""
     # `tp` is tensor parallelism on the (1, N) mesh of `mp`.
-    if mode == "fsdp" and distributed:
-        set_fully_sharded_distribution()
+    if mode.startswith("fsdp") and distributed:
+        set_fully_sharded_distribution(mode)
     else:
-        distribution_mode = {"dp": "dp", "tp": "mp", "fsdp": "single"}[mode]
+        distribution_mode = {"dp": "dp", "tp": "mp"}.get(mode, "single")
         worker_utils.set_distribution(
             distribution_mode if distributed else "single", MP_LAYOUTS
         )
@@ -114,7 +138,7 @@ def train(mode, optimizer_name, distributed=True):
     x = rng.normal(size=(3, BATCH, FEATURES)).astype("float32")
     y = rng.normal(size=(3, BATCH, 4)).astype("float32")
     losses = [float(model.train_on_batch(x[i], y[i])) for i in range(2)]
-    with CommDebugMode() as comm:
+    with CollectiveCounter() as comm:
         _COUNTING.append(comm)
         try:
             losses.append(float(model.train_on_batch(x[2], y[2])))
@@ -134,14 +158,14 @@ def run(spec):
     record(f"{spec}/forward_counts", dict(_FORWARD_COUNTS))
     record(f"{spec}/trainable", len(model.trainable_variables))
     record(f"{spec}/losses", losses)
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         record(f"{spec}/layouts", variable_layouts(model))
         record(f"{spec}/weights", weights(model))
     reference_model, reference, _ = train(
         mode, optimizer_name, distributed=False
     )
     record(f"{spec}/reference_losses", reference)
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         record(f"{spec}/reference_weights", weights(reference_model))
 
 

@@ -55,12 +55,15 @@ DTensors with the placements and global shapes of the watched call.
 Variables sharded over the batch axes (fully sharded layouts) are read
 whole: the watched call reads each one all-gathered (a replicated DTensor
 standing in for its value during the call), and a local call reads the
-local tensor of its all-gathered value, gathered at each read. Its
-gradient, a partial sum over the batch axes, is reduce-scattered back to
-the variable's shards in backward. A layer then costs one
-all-gather of each sharded variable in forward and one reduce-scatter in
-backward, as FSDP's units do, where DTensor's own operators would pick
-their redistributions operator by operator. A gathered value is freed
+local tensor of its all-gathered value. The sharded variables of each
+direct sublayer of the layer form a unit (`gathered_units`): the first
+read of one of them gathers them all, in one collective where their
+layouts allow it; its gradient, a partial sum over the batch axes, is
+reduce-scattered back to the variables' shards in backward, again one
+collective per unit. A unit then costs one all-gather in forward and one
+reduce-scatter in backward, as FSDP's units do, where DTensor's own
+operators would pick their redistributions operator by operator. A
+gathered value is freed
 once forward is done with it, as FSDP's `reshard_after_forward` does:
 what backward needs of it is saved as a note, and gathered again when
 backward first needs it (saved-tensor hooks; inside a checkpoint, the
@@ -95,6 +98,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import gathered_units
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -219,19 +223,20 @@ class _Verdict:
             global shape and global stride in the watched call.
         sublayers: the layer's sublayers in the watched call (none for a
             loss).
-        gathers: whether the layer reads variables sharded over the
-            batch axes (gathered for the call).
+        units: for each variable sharded over the batch axes, its
+            `_Unit` (the variables gathered with it); empty when the layer
+            reads none.
     """
 
-    def __init__(self, mesh, placements, outputs, sublayers, gathers):
+    def __init__(self, mesh, placements, outputs, sublayers):
         self.mesh = mesh
         self.sublayers = sublayers
-        self.gathers = gathers
         self.placements = placements
         self.gradient_placements = tuple(
             Partial() if p.is_shard() else Replicate() for p in placements
         )
         self.outputs = outputs
+        self.units = {}
 
     def recomputes(self, layer):
         """Whether a remat mode now keeps `layer` on DTensors."""
@@ -253,11 +258,12 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
         output_specs = _output_specs(outputs, placements, mesh)
         if output_specs is not None:
             verdict = _Verdict(
-                mesh,
-                placements,
-                output_specs,
-                _sublayers(layer),
-                gathers=bool(gathered.sharded),
+                mesh, placements, output_specs, _sublayers(layer)
+            )
+            verdict.units = _units(
+                layer,
+                [variable for variable, _ in gathered.sharded],
+                verdict.gradient_placements,
             )
     return outputs, verdict
 
@@ -597,8 +603,10 @@ def _run_locally(layer, upstream_call, args, kwargs, verdict):
         suspended = created_tensors.suspended()
     # Inside a checkpoint, the checkpoint frees the gathered values with
     # the rest, and its recomputation gathers them again.
-    regather = verdict.gathers and not _saved_tensors_hooked()
-    scope = _LocalVariables(layer, verdict.gradient_placements, regather)
+    regather = bool(verdict.units) and not _saved_tensors_hooked()
+    scope = _LocalVariables(
+        layer, verdict.gradient_placements, verdict.units, regather
+    )
     with scope, suspended, scope.freeing_gathered_values():
         return upstream_call(layer, *args, **kwargs)
 
@@ -646,12 +654,15 @@ class _LocalVariables(StatelessScope):
     back to the variable's placements.
     """
 
-    def __init__(self, layer, gradient_placements, regather=False):
+    def __init__(self, layer, gradient_placements, units=None, regather=False):
         super().__init__(initialize_variables=False)
         self.layer = layer
         self.gradient_placements = gradient_placements
-        # Storage address of each gathered value -> its `_GatheredValue`,
-        # when gathered values are freed after forward.
+        self.units = units or {}
+        # Gathered views of the last gathered unit's variables not read yet.
+        self.unread = {}
+        # Storage address of each gathered value -> its `_GatheredSource`
+        # and index, when gathered values are freed after forward.
         self.gathered = {} if regather else None
 
     def get_current_value(self, variable):
@@ -661,21 +672,49 @@ class _LocalVariables(StatelessScope):
             value = variable._value
             if _is_sharded(value):
                 # Not kept: freed as soon as forward is done with it.
-                return self._gathered_view(value, spec)
+                return self._gathered_view(variable, value, spec)
             view = _LocalView.apply(value, spec)
             self.state_mapping[id(variable)] = view
         return view
 
-    def _gathered_view(self, value, spec):
-        """The local view of a sharded value, all-gathered for this read."""
-        view = _LocalView.apply(_gather(value), spec)
-        if self.gathered is not None and view.is_contiguous():
+    def _gathered_view(self, variable, value, spec):
+        """The local view of a sharded value, all-gathered for this read.
+
+        A variable of a unit takes the view its unit's gather made, unless
+        it was read already or another unit was gathered since: then the
+        unit is gathered again.
+        """
+        view = self.unread.pop(id(variable), None)
+        if view is not None:
+            return view
+        unit = self.units.get(id(variable))
+        if unit is None or unit.plan is None:
+            view = _LocalView.apply(_gather(value), spec)
+            self._register(_GatheredSource(None, (value,)), (view,))
+            return view
+        values = tuple(v._value for v in unit.variables)
+        views = gathered_units.GatherUnit.apply(unit.plan, *values)
+        self._register(_GatheredSource(unit.plan, values), views)
+        self.unread = {
+            id(v): view
+            for v, view in zip(unit.variables, views)
+            if v is not variable
+        }
+        return views[unit.variables.index(variable)]
+
+    def _register(self, source, views):
+        """Notes where gathered `views` lie, for the saved-tensor hooks."""
+        if self.gathered is None:
+            return
+        for index, view in enumerate(views):
+            if not view.is_contiguous():
+                continue
+            source.offsets[index] = view.storage_offset()
             storage = view.untyped_storage().data_ptr()
-            self.gathered[storage] = _GatheredValue(value, view)
+            self.gathered[storage] = (source, index)
             # The address may be reused once the view and its storage are
             # freed: by then no saved tensor may be taken for it.
             weakref.finalize(view, self.gathered.pop, storage, None)
-        return view
 
     def freeing_gathered_values(self):
         """Saved-tensor hooks that free gathered values after forward.
@@ -692,10 +731,10 @@ class _LocalVariables(StatelessScope):
         def pack(tensor):
             if type(tensor) is not torch.Tensor:
                 return tensor
-            source = gathered.get(tensor.untyped_storage().data_ptr())
-            if source is None or tensor.dtype != source.dtype:
+            found = gathered.get(tensor.untyped_storage().data_ptr())
+            if found is None or tensor.dtype != found[0].dtype:
                 return tensor
-            return _SavedGathered(source, tensor)
+            return _SavedGathered(*found, tensor)
 
         def unpack(saved):
             if isinstance(saved, _SavedGathered):
@@ -737,27 +776,36 @@ class _LocalVariables(StatelessScope):
         )
 
 
-class _GatheredValue:
-    """A sharded variable's gathered value in a local call, by reference.
+class _GatheredSource:
+    """Gathered values of a local call, by reference.
 
-    Holds the variable's sharded value, not the gathered one, so that the
-    gathered value is freed once forward no longer uses it. `local()`
-    gathers it again for backward, once for every saved use.
+    Holds the variables' sharded values, not the gathered ones, so that
+    these are freed once forward no longer uses them. `local(index)`
+    gathers them again for backward (one collective per unit and backward
+    pass), once for every saved use.
     """
 
-    def __init__(self, value, view):
-        self.value = value
-        self.dtype = view.dtype
-        self.offset = view.storage_offset()
+    def __init__(self, plan, values):
+        self.plan = plan
+        self.values = values
+        self.dtype = values[0].dtype
+        # Per gathered value, its storage offset in forward.
+        self.offsets = {}
         self.uses = 0
         self.cache = None
 
-    def local(self):
-        """The gathered local tensor, for one saved use in backward."""
+    def local(self, index):
+        """A gathered local tensor, for one saved use in backward."""
         if self.cache is None:
             with torch.no_grad():
-                self.cache = _gather(self.value)._local_tensor.contiguous()
-        local = self.cache
+                if self.plan is None:
+                    local = _gather(self.values[0])._local_tensor
+                    self.cache = [local.contiguous()]
+                else:
+                    self.cache = self.plan.gather(
+                        [value._local_tensor for value in self.values]
+                    )
+        local = self.cache[index]
         self.uses -= 1
         if self.uses == 0:
             # The last saved use: backward frees it after this node.
@@ -769,18 +817,49 @@ class _SavedGathered:
     """A saved gathered value (or a view of one), gathered again when
     backward unpacks it."""
 
-    def __init__(self, source, tensor):
+    def __init__(self, source, index, tensor):
         source.uses += 1
         self.source = source
+        self.index = index
         self.size = tensor.size()
         self.stride = tensor.stride()
-        self.offset = tensor.storage_offset() - source.offset
+        self.offset = tensor.storage_offset() - source.offsets[index]
 
     def tensor(self):
-        local = self.source.local()
+        local = self.source.local(self.index)
         return local.as_strided(
             self.size, self.stride, local.storage_offset() + self.offset
         )
+
+
+class _Unit:
+    """Sharded variables gathered together (`gathered_units`).
+
+    Attributes:
+        variables: the Keras variables, a tuple.
+        plan: the `gathered_units.UnitPlan` that gathers them in one
+            collective, or None where each one is gathered alone.
+    """
+
+    def __init__(self, variables, gradient_placements):
+        self.variables = variables
+        self.plan = gathered_units.unit_plan(
+            [variable._value for variable in variables], gradient_placements
+        )
+
+
+def _units(layer, sharded, gradient_placements):
+    """Per sharded variable (by id), its `_Unit`; empty without any."""
+    if not sharded:
+        return {}
+    ids = {id(variable) for variable in sharded}
+    groups = gathered_units.units_of(layer, lambda v: id(v) in ids)
+    units = {}
+    # Variables do not hash: a unit's variables share one tuple object.
+    for group in {id(group): group for group in groups.values()}.values():
+        unit = _Unit(group, gradient_placements)
+        units.update((id(variable), unit) for variable in group)
+    return units
 
 
 def _spec(mesh, placements, tensor):

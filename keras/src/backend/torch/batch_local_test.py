@@ -1,5 +1,6 @@
 """Tests of `batch_local` on a one-process mesh."""
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -18,6 +19,7 @@ from keras.src.backend.common.remat import RematScope
 from keras.src.backend.common.remat import get_current_remat_mode
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import gathered_units
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.distribution import remat
 
@@ -257,6 +259,21 @@ class BatchLocalTest(testing.TestCase):
         self.assertEqual(tuple(gradient.placements), placements)
         self.assertAllClose(gradient.to_local().numpy(), np.ones((5, 3)))
 
+    @contextlib.contextmanager
+    def counting_gathers(self):
+        """Counts the gathers of sharded values, one by one or by unit."""
+        alone = mock.patch.object(
+            batch_local, "_gather", wraps=batch_local._gather
+        )
+        by_unit = mock.patch.object(
+            gathered_units.UnitPlan,
+            "gather",
+            autospec=True,
+            side_effect=gathered_units.UnitPlan.gather,
+        )
+        with alone as one, by_unit as unit:
+            yield lambda: one.call_count + unit.call_count
+
     def sharded_layer(self, layer, input_shape):
         """Builds `layer` with its kernels sharded over the batch axis."""
         layout_map = distribution_api.LayoutMap(self.mesh)
@@ -276,10 +293,7 @@ class BatchLocalTest(testing.TestCase):
         value = dense.kernel._value
         x = self.batch((6, 4))
         outputs, gradients = [], []
-        gather = mock.patch.object(
-            batch_local, "_gather", wraps=batch_local._gather
-        )
-        with gather as gathered:
+        with self.counting_gathers() as gathers:
             for _ in range(2):  # watched, then local
                 value.grad = None
                 out = self.call_in_step(dense, x)
@@ -287,7 +301,7 @@ class BatchLocalTest(testing.TestCase):
                 outputs.append(out.to_local().detach().numpy())
                 gradients.append(value.grad)
         # One gather of the kernel per call; the kernel keeps its value.
-        self.assertEqual(gathered.call_count, 2)
+        self.assertEqual(gathers(), 2)
         self.assertIs(dense.kernel._value, value)
         self.assertIsNotNone(self.verdicts(dense)[0])
         self.assertAllClose(outputs[1], outputs[0])
@@ -302,17 +316,14 @@ class BatchLocalTest(testing.TestCase):
         model = self.sharded_layer(model, (None, 4))
         x = self.batch((6, 4))
         gradients, gathers = [], []
-        gather = mock.patch.object(
-            batch_local, "_gather", wraps=batch_local._gather
-        )
         for _ in range(2):  # watched, then local
             for variable in model.trainable_variables:
                 variable.value.grad = None
-            with gather as gathered:
+            with self.counting_gathers() as gathered:
                 out = self.call_in_step(model, x)
-                gathers.append(gathered.call_count)
+                gathers.append(gathered())
                 (out * out).sum().backward()
-                gathers.append(gathered.call_count)
+                gathers.append(gathered())
             gradients.append(
                 [v.value.grad.to_local() for v in model.trainable_variables]
             )
