@@ -19,6 +19,12 @@ each, per rank:
   temporaries of forward and backward); on GPU,
   `torch.cuda.max_memory_allocated` during the step less the memory
   allocated before it (parameters, optimizer state);
+- on CPU with glibc, the peak of the bytes in use by `malloc`
+  (`mallinfo2`, sampled at every Python call and C return of the step)
+  above the step's start: everything the step allocates, counted by the
+  allocator rather than by `MemTracker`'s categories (which count the
+  gathered values of fully sharded local calls as parameters still
+  alive after they were freed);
 - the median step time (`train_on_batch`), both variants interleaved.
 
 Both variants start from the same weights; their first losses are
@@ -28,6 +34,7 @@ compared. Results: a markdown table on stdout (rank 0) and
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -182,6 +189,64 @@ def activation_bytes(step, model):
     return peak["Total"] - sum(peak.get(name, 0) for name in STATE)
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2`."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _bytes_in_use_reader():
+    """A function returning glibc's bytes in use, or None without glibc."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use():
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
+def allocator_peak_bytes(step):
+    """Peak bytes in use by `malloc` during `step`, above its start."""
+    in_use = _bytes_in_use_reader()
+    if in_use is None:
+        return None
+    gc.collect()
+    start = in_use()
+    peak = [start]
+
+    def sample(frame, event, arg):
+        if event in ("call", "c_return"):
+            peak[0] = max(peak[0], in_use())
+
+    sys.setprofile(sample)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return peak[0] - start
+
+
 def measure_mode(mode, args, x, y):
     """Memory and step times of `mode` without and with remat."""
     steps, result = {}, {}
@@ -202,6 +267,12 @@ def measure_mode(mode, args, x, y):
         result[f"{name}_activation_bytes"] = int(
             max(measure.slowest_rank([float(activation_bytes(step, model))]))
         )
+        peak = allocator_peak_bytes(step)
+        result[f"{name}_allocator_peak_bytes"] = (
+            None
+            if peak is None
+            else int(max(measure.slowest_rank([float(peak)])))
+        )
         steps[name] = step
         keras.distribution.set_distribution(None)
     times = measure.time_steps(steps, args.steps)
@@ -218,15 +289,23 @@ def table(results):
     """The results as a markdown table."""
     lines = [
         "| mode | activation MiB plain / remat | saved | "
+        "allocator peak MiB plain / remat | "
         "ms plain / remat | time ratio | first loss equal |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     mib = 1024.0**2
     for mode, r in results.items():
+        if r["plain_allocator_peak_bytes"] is None:
+            peaks = "—"
+        else:
+            peaks = (
+                f"{r['plain_allocator_peak_bytes'] / mib:.2f} / "
+                f"{r['remat_allocator_peak_bytes'] / mib:.2f}"
+            )
         lines.append(
             f"| {mode} | {r['plain_activation_bytes'] / mib:.2f} / "
             f"{r['remat_activation_bytes'] / mib:.2f} | "
-            f"{1 - r['memory_ratio']:.0%} | {r['plain_ms']:.1f} / "
+            f"{1 - r['memory_ratio']:.0%} | {peaks} | {r['plain_ms']:.1f} / "
             f"{r['remat_ms']:.1f} | {r['time_ratio']:.2f} | "
             f"{r['plain_first_loss'] == r['remat_first_loss']} |"
         )

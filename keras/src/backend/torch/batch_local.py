@@ -695,12 +695,8 @@ class _LocalVariables(StatelessScope):
         values = tuple(v._value for v in unit.variables)
         views = gathered_units.GatherUnit.apply(unit.plan, *values)
         self._register(_GatheredSource(unit.plan, values), views)
-        self.unread = {
-            id(v): view
-            for v, view in zip(unit.variables, views)
-            if v is not variable
-        }
-        return views[unit.variables.index(variable)]
+        self.unread = {id(v): view for v, view in zip(unit.variables, views)}
+        return self.unread.pop(id(variable))
 
     def _register(self, source, views):
         """Notes where gathered `views` lie, for the saved-tensor hooks."""

@@ -334,6 +334,39 @@ class BatchLocalTest(testing.TestCase):
         for local, watched in zip(gradients[1], gradients[0]):
             self.assertAllClose(local.numpy(), watched.numpy())
 
+    def test_a_unit_is_gathered_once_whatever_its_read_order(self):
+        class Reversed(layers.Layer):
+            """Calls its second sublayer first."""
+
+            def __init__(self):
+                super().__init__(name="reversed")
+                self.first = layers.Dense(4, name="first")
+                self.second = layers.Dense(4, name="second")
+
+            def call(self, x):
+                return self.first(self.second(x))
+
+        model = models.Sequential([Reversed()])
+        model = self.sharded_layer(model, (None, 4))
+        x = self.batch((6, 4))
+        outputs, gradients, gathers = [], [], []
+        for _ in range(2):  # watched, then local
+            for variable in model.trainable_variables:
+                variable.value.grad = None
+            with self.counting_gathers() as gathered:
+                out = self.call_in_step(model, x)
+                gathers.append(gathered())
+            (out * out).sum().backward()
+            outputs.append(out.to_local().detach().numpy())
+            gradients.append(
+                [v.value.grad.to_local() for v in model.trainable_variables]
+            )
+        # The watched call gathers each kernel; the local call, both in one.
+        self.assertEqual(gathers, [2, 1])
+        self.assertAllClose(outputs[1], outputs[0])
+        for local, watched in zip(gradients[1], gradients[0]):
+            self.assertAllClose(local.numpy(), watched.numpy())
+
     def test_assigning_a_gathered_variable_in_a_call_raises(self):
         class Assigning(layers.Layer):
             def build(self, input_shape):
