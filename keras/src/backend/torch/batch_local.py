@@ -112,6 +112,10 @@ _VERDICTS = weakref.WeakKeyDictionary()
 # view: {gradient placements: DTensorSpec of the view's gradient}.
 _GRADIENT_SPECS_ATTRIBUTE = "_keras_local_view_gradient_specs"
 
+# id(variable) -> its sharded value, while a watched call reads the
+# variable gathered (`_GatheredVariables`).
+_SWAPPED = {}
+
 # Argument values other than tensors that a signature holds as they are.
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -261,9 +265,7 @@ def _watch(layer, upstream_call, args, kwargs, placements, mesh):
                 mesh, placements, output_specs, _sublayers(layer)
             )
             verdict.units = _units(
-                layer,
-                [variable for variable, _ in gathered.sharded],
-                verdict.gradient_placements,
+                layer, gathered.sharded, verdict.gradient_placements
             )
     return outputs, verdict
 
@@ -374,35 +376,39 @@ class _GatheredVariables:
     The call then runs on DTensors as a local call would run on local
     tensors: with every variable replicated. Each sharded variable's
     value is replaced by its gathered value for the duration of the call,
-    so Keras reads it as usual, and restored after it.
+    so Keras reads it as usual, and restored after it. A sublayer watched
+    inside the call finds its variables gathered already, and their
+    sharded values in `_SWAPPED`.
 
     Attributes:
         collectives: per mesh dimension (process group in `groups`), the
             collectives the gathers issued.
+        sharded: the layer's sharded variables and their sharded values.
     """
 
     def __init__(self, layer, placements, groups):
         self.layer = layer
         self.groups = groups
         self.collectives = [0] * len(groups)
-        self.sharded = [
-            (variable, variable._value)
-            for variable in getattr(layer, "variables", ())
-            if _readable_locally(variable._value, placements)
-            and _is_sharded(variable._value)
-        ]
-        self.gathered = []
+        self.sharded = []
+        for variable in getattr(layer, "variables", ()):
+            value = _SWAPPED.get(id(variable), variable._value)
+            if _readable_locally(value, placements) and _is_sharded(value):
+                self.sharded.append((variable, value))
+        self.swapped = []
 
     def __enter__(self):
-        if not self.sharded:
+        own = [pair for pair in self.sharded if id(pair[0]) not in _SWAPPED]
+        if not own:
             return self
         before = _sequence_numbers(self.groups)
         try:
-            for variable, value in self.sharded:
+            for variable, value in own:
                 gathered = _gather(value)
                 variable._value = gathered
-                self.gathered.append(
-                    (gathered, gathered._local_tensor._version)
+                _SWAPPED[id(variable)] = value
+                self.swapped.append(
+                    (variable, value, gathered, gathered._local_tensor._version)
                 )
         except BaseException:
             self._restore()
@@ -415,9 +421,8 @@ class _GatheredVariables:
         """Gives the variables their values back; returns the paths of
         those whose gathered value was written into."""
         changed = []
-        for (variable, value), (gathered, version) in zip(
-            self.sharded, self.gathered
-        ):
+        for variable, value, gathered, version in self.swapped:
+            _SWAPPED.pop(id(variable), None)
             if variable._value is gathered:
                 variable._value = value
             if gathered._local_tensor._version != version:
@@ -837,23 +842,30 @@ class _Unit:
             collective, or None where each one is gathered alone.
     """
 
-    def __init__(self, variables, gradient_placements):
+    def __init__(self, variables, values, gradient_placements):
         self.variables = variables
-        self.plan = gathered_units.unit_plan(
-            [variable._value for variable in variables], gradient_placements
-        )
+        self.plan = gathered_units.unit_plan(values, gradient_placements)
 
 
 def _units(layer, sharded, gradient_placements):
-    """Per sharded variable (by id), its `_Unit`; empty without any."""
+    """Per sharded variable (by id), its `_Unit`; empty without any.
+
+    Args:
+        layer: the layer that runs locally.
+        sharded: its sharded variables and their sharded values.
+        gradient_placements: the gradient placements of its local views.
+    """
     if not sharded:
         return {}
-    ids = {id(variable) for variable in sharded}
-    groups = gathered_units.units_of(layer, lambda v: id(v) in ids)
+    values = {id(variable): value for variable, value in sharded}
+    ids = set(values)
+    # A layer recomputed whole is one unit, as FSDP wraps a block.
+    whole = getattr(layer, "_remat_mode", None) is not None
+    groups = gathered_units.units_of(layer, lambda v: id(v) in ids, whole)
     units = {}
     # Variables do not hash: a unit's variables share one tuple object.
     for group in {id(group): group for group in groups.values()}.values():
-        unit = _Unit(group, gradient_placements)
+        unit = _Unit(group, [values[id(v)] for v in group], gradient_placements)
         units.update((id(variable), unit) for variable in group)
     return units
 

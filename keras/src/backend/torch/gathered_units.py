@@ -11,7 +11,8 @@ collective, and cut back into full values; in backward, their gradients
 reduce-scattered in one collective back to each variable's shards.
 
 Which variables form a unit (`units_of`): those of each direct sublayer
-of the layer that runs locally, and those the layer holds itself. A unit
+of the layer that runs locally, and those the layer holds itself; all of
+them when the layer is recomputed whole (`remat_layers`). A unit
 is gathered in one collective when all its variables are split evenly
 along one dimension over the same single mesh axis, replicated on the
 others, and share a dtype, and when that axis is the only one that splits
@@ -157,12 +158,14 @@ def unit_plan(values, gradient_placements):
     return UnitPlan(values, mesh_dim)
 
 
-def units_of(layer, sharded):
+def units_of(layer, sharded, whole=False):
     """The units of a layer that runs locally, by variable.
 
     Args:
         layer: the layer.
         sharded: a predicate telling the sharded variables to gather.
+        whole: whether the layer is one unit (a layer recomputed whole,
+            whose gathered values its recomputation gathers again).
 
     Returns:
         A dict from `id(variable)` to the variables of its unit (a tuple),
@@ -172,7 +175,7 @@ def units_of(layer, sharded):
     """
     groups = []
     flatten = getattr(layer, "_flatten_layers", None)
-    children = () if flatten is None else flatten(False, False)
+    children = () if flatten is None or whole else flatten(False, False)
     seen = set()
     for owner in (*children, None):
         variables = layer.variables if owner is None else owner.variables

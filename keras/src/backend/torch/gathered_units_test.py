@@ -92,3 +92,16 @@ class GatheredUnitsTest(testing.TestCase):
             [v.path for v in units[id(kernels[2])]], [kernels[2].path]
         )
         self.assertEqual(len(units), 3)
+
+    def test_a_layer_recomputed_whole_is_one_unit(self):
+        block = models.Sequential(
+            [layers.Dense(4, name="a"), layers.Dense(4, name="b")]
+        )
+        block.build((None, 3))
+        kernels = [v for v in block.variables if "kernel" in v.path]
+        ids = {id(kernel) for kernel in kernels}
+        units = gathered_units.units_of(
+            block, lambda v: id(v) in ids, whole=True
+        )
+        self.assertEqual(len(units), 2)
+        self.assertIs(units[id(kernels[0])], units[id(kernels[1])])
