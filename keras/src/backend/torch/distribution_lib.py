@@ -13,9 +13,10 @@ devices, `initialize`, the `_to_backend_*` conversions and the
 `keras.src.distribution.layout_validation`), `batch_distribution` (input
 batches), `collectives` (`all_reduce`, `all_gather`), `created_tensors`
 (the step's torch function mode), `batch_local` (layers proven local to
-each batch shard, run on plain tensors), `sharded_initialization` (variables
-created shard by shard) and `sharding_rules` (DTensor rules, registered
-when the first mesh is made).
+each batch shard, run on plain tensors), `gathered_units` (the fully
+sharded variables of a local call, gathered unit by unit),
+`sharded_initialization` (variables created shard by shard) and
+`sharding_rules` (DTensor rules, registered when the first mesh is made).
 
 Collectives in lockstep. Every process issues the same collectives, in the
 same order, from the thread that runs the step; a collective paired with a
