@@ -311,12 +311,14 @@ class BatchLocalTest(testing.TestCase):
             gradients[1].to_local().numpy(), gradients[0].to_local().numpy()
         )
 
-    def test_backward_gathers_again_what_it_needs(self):
-        model = models.Sequential([layers.Dense(6), layers.Dense(3)])
-        model = self.sharded_layer(model, (None, 4))
-        x = self.batch((6, 4))
-        gradients, gathers = [], []
-        for _ in range(2):  # watched, then local
+    def watched_then_local(self, model, x):
+        """Two training calls of `model` (watched, then local).
+
+        Returns per call its output, the local parts of the gradients, and
+        the gathers counted after forward and after backward.
+        """
+        outputs, gradients, gathers = [], [], []
+        for _ in range(2):
             for variable in model.trainable_variables:
                 variable.value.grad = None
             with self.counting_gathers() as gathered:
@@ -324,15 +326,29 @@ class BatchLocalTest(testing.TestCase):
                 gathers.append(gathered())
                 (out * out).sum().backward()
                 gathers.append(gathered())
+            outputs.append(out.to_local().detach().numpy())
             gradients.append(
                 [v.value.grad.to_local() for v in model.trainable_variables]
             )
+        return outputs, gradients, gathers
+
+    def assertSameCalls(self, outputs, gradients):
+        """The local call's output and gradients equal the watched one's."""
+        self.assertAllClose(outputs[1], outputs[0])
+        for local, watched in zip(gradients[1], gradients[0]):
+            self.assertAllClose(local.numpy(), watched.numpy())
+
+    def test_backward_gathers_again_what_it_needs(self):
+        model = models.Sequential([layers.Dense(6), layers.Dense(3)])
+        model = self.sharded_layer(model, (None, 4))
+        outputs, gradients, gathers = self.watched_then_local(
+            model, self.batch((6, 4))
+        )
         # Both calls gather both kernels in forward. Backward of the local
         # call, whose saved kernels were not kept, gathers again the second
         # one (the first is not needed: the input needs no gradient).
         self.assertEqual(gathers, [2, 2, 2, 3])
-        for local, watched in zip(gradients[1], gradients[0]):
-            self.assertAllClose(local.numpy(), watched.numpy())
+        self.assertSameCalls(outputs, gradients)
 
     def test_a_unit_is_gathered_once_whatever_its_read_order(self):
         class Reversed(layers.Layer):
@@ -348,24 +364,14 @@ class BatchLocalTest(testing.TestCase):
 
         model = models.Sequential([Reversed()])
         model = self.sharded_layer(model, (None, 4))
-        x = self.batch((6, 4))
-        outputs, gradients, gathers = [], [], []
-        for _ in range(2):  # watched, then local
-            for variable in model.trainable_variables:
-                variable.value.grad = None
-            with self.counting_gathers() as gathered:
-                out = self.call_in_step(model, x)
-                gathers.append(gathered())
-            (out * out).sum().backward()
-            outputs.append(out.to_local().detach().numpy())
-            gradients.append(
-                [v.value.grad.to_local() for v in model.trainable_variables]
-            )
-        # The watched call gathers each kernel; the local call, both in one.
-        self.assertEqual(gathers, [2, 1])
-        self.assertAllClose(outputs[1], outputs[0])
-        for local, watched in zip(gradients[1], gradients[0]):
-            self.assertAllClose(local.numpy(), watched.numpy())
+        outputs, gradients, gathers = self.watched_then_local(
+            model, self.batch((6, 4))
+        )
+        # The watched call gathers each kernel; the local call, both in one
+        # collective, and again in backward (for the first layer's input
+        # gradient).
+        self.assertEqual(gathers, [2, 2, 1, 2])
+        self.assertSameCalls(outputs, gradients)
 
     def test_assigning_a_gathered_variable_in_a_call_raises(self):
         class Assigning(layers.Layer):
