@@ -28,7 +28,8 @@ the count of each collective (counts, not times):
   all-gather and their gradients reduce-scattered in one, so a step
   issues 2 all-gathers in forward, 2 more in backward (block2 for
   block1's gradient, block1 for its second kernel's input gradient) and
-  2 reduce-scatters.
+  2 reduce-scatters. With both blocks recomputed, each block is one unit
+  too, gathered again by its recomputation: the same counts.
 The losses equal a single-process run's.
 """
 
@@ -45,6 +46,7 @@ RUNS = [
     "fsdp:sgd",
     "fsdp:adamw",
     "fsdpblocks:sgd",
+    "fsdpremat:sgd",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -151,11 +153,11 @@ def test_fully_sharded_weights_equal_single_process(reports, optimizer):
             )
 
 
-def test_fully_sharded_blocks_gather_each_block_once(reports):
+@pytest.mark.parametrize("run", ["fsdpblocks:sgd", "fsdpremat:sgd"])
+def test_fully_sharded_blocks_gather_each_block_once(reports, run):
     """A block's sharded kernels share one all-gather each way and one
-    reduce-scatter."""
+    reduce-scatter, recomputed or not."""
     for report in reports:
-        run = "fsdpblocks:sgd"
         assert report[f"{run}/forward_counts"] == {ALL_GATHER: 2}
         assert counts(report, run) == {
             ALL_GATHER: 4,

@@ -7,8 +7,10 @@ being `MODE:OPTIMIZER[:CAP]`:
     then row-parallel kernels, then a replicated head) or `fsdp`
     (`ModelParallel` on an (N,) "batch" mesh, the MLP of `dp` laid out by
     `fully_sharded_layouts`: its two hidden kernels sharded, the head's
-    kernel and the biases replicated) or `fsdpblocks` (the same layouts
-    for two blocks, each a layer of two Dense sublayers, then a head).
+    kernel and the biases replicated), `fsdpblocks` (the same layouts
+    for two blocks, each a layer of two Dense sublayers, then a head) or
+    `fsdpremat` (`fsdpblocks` with both blocks recomputed in backward,
+    `remat_layers`).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
 After two warm-up steps, one `train_on_batch` runs under the benchmark's
@@ -55,9 +57,9 @@ class Block(keras.layers.Layer):
 
 def build(mode):
     """A 3-layer MLP for `dp` and `fsdp`, the Megatron block model for
-    `tp`, two blocks and a head for `fsdpblocks`."""
+    `tp`, two blocks and a head for `fsdpblocks` and `fsdpremat`."""
     inputs = keras.Input((FEATURES,))
-    if mode == "fsdpblocks":
+    if mode in ("fsdpblocks", "fsdpremat"):
         x = Block(name="block1")(inputs)
         x = Block(name="block2")(x)
     elif mode in ("dp", "fsdp"):
@@ -134,6 +136,8 @@ def train(mode, optimizer_name, distributed=True):
         else keras.optimizers.AdamW(0.01)
     )
     model.compile(optimizer=optimizer, loss=counted_mse)
+    if mode == "fsdpremat":
+        kd.remat_layers(model, r"block\d")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, BATCH, FEATURES)).astype("float32")
     y = rng.normal(size=(3, BATCH, 4)).astype("float32")
