@@ -675,7 +675,9 @@ class _LocalVariables(StatelessScope):
         if view is None:
             spec = self._gradient_spec(variable)
             value = variable._value
-            if _is_sharded(value):
+            # Only a layer with units reads sharded variables (its watched
+            # call proved it); replicated reads skip the check.
+            if self.units and _is_sharded(value):
                 # Not kept: freed as soon as forward is done with it.
                 return self._gathered_view(variable, value, spec)
             view = _LocalView.apply(value, spec)
@@ -754,7 +756,8 @@ class _LocalVariables(StatelessScope):
         value = variable._value
         specs = getattr(value, _GRADIENT_SPECS_ATTRIBUTE, None)
         if specs is None:
-            if not _readable_locally(value, self.gradient_placements):
+            readable = _readable_locally(value, self.gradient_placements)
+            if not readable or (not self.units and _is_sharded(value)):
                 raise RuntimeError(
                     f"{_describe(self.layer)} runs on local shards but "
                     f"read variable '{variable.path}', which is neither "
