@@ -99,6 +99,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gathered_units
+from keras.src.backend.torch import gradient_buckets
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -902,6 +903,10 @@ class _LocalView(torch.autograd.Function):
         if grad is None:
             return None, None
         spec = ctx.gradient_spec
+        if gradient_buckets.reduce_local_gradient(
+            ctx.next_functions[0][0], grad, spec.placements
+        ):
+            return None, None
         if grad.stride() == spec.tensor_meta.stride:
             # A copy, as DTensor does: specs are not shared between tensors.
             spec = dtensor_layouts.copy_spec(spec)

@@ -16,6 +16,16 @@ program; collectives are therefore issued in the same order everywhere.
 Gradients that need anything other than an all-reduce of partial sums (for
 instance a reduce-scatter to a sharded parameter) are redistributed by
 DTensor directly.
+
+A layer that runs on local tensors (`batch_local`) reads a replicated
+parameter through a local view; in a `backward()` that accumulates into
+the parameter, the view's gradient joins its bucket directly as a plain
+tensor (`reduce_local_gradient`), so that no partial DTensor is built and
+accumulated for it. A parameter may then reach the buckets more than
+once in one backward pass (a layer called twice, a weight shared by two
+layers, or read both locally and on DTensors): its gradients are summed
+before the all-reduce where they share an open bucket, and after it
+otherwise.
 """
 
 import os
@@ -55,14 +65,19 @@ class _Bucket:
         self.partial_dims = partial_dims
         self.reduce_op = reduce_op
         self.entries = []
+        # id(parameter) -> index of its entry.
+        self.index = {}
         self.nbytes = 0
         self.flat = None
         self.work = None
 
-    def add(self, parameter, grad):
-        # Backward hooks run without gradient tracking: the local tensor is
-        # read directly (`to_local` would add an autograd node).
-        local = grad._local_tensor
+    def add(self, parameter, local):
+        """Adds a local gradient, summed with the parameter's earlier one."""
+        index = self.index.get(id(parameter))
+        if index is not None:
+            self.entries[index] = (parameter, self.entries[index][1] + local)
+            return
+        self.index[id(parameter)] = len(self.entries)
         self.entries.append((parameter, local))
         self.nbytes += local.numel() * local.element_size()
 
@@ -73,6 +88,7 @@ class _Bucket:
         self.entries = [
             (parameter, local.shape) for parameter, local in self.entries
         ]
+        self.index = None
         self.work = dist.all_reduce(
             self.flat,
             op=_REDUCE_OPS[self.reduce_op],
@@ -80,8 +96,12 @@ class _Bucket:
             async_op=True,
         )
 
-    def finish(self):
-        """Waits for the reduction and hands each parameter its gradient."""
+    def finish(self, assigned):
+        """Waits for the reduction and hands each parameter its gradient.
+
+        A parameter in `assigned` (the ids of those given a gradient by an
+        earlier bucket of this backward pass) has this one added to it.
+        """
         self.work.wait()
         for mesh_dim in self.partial_dims[1:]:
             dist.all_reduce(
@@ -96,7 +116,11 @@ class _Bucket:
             numel = local_shape.numel()
             local = self.flat[offset : offset + numel].view(local_shape)
             offset += numel
-            parameter.grad = _like_parameter(local, parameter)
+            if id(parameter) in assigned:
+                parameter.grad._local_tensor.add_(local)
+            else:
+                parameter.grad = _like_parameter(local, parameter)
+                assigned.add(id(parameter))
 
 
 class _PendingReduction:
@@ -114,6 +138,10 @@ _PENDING = _PendingReduction()
 # Attribute of a parameter: (its spec, the spec its reduced gradients
 # copy).
 _GRADIENT_SPEC_ATTRIBUTE = "_keras_reduced_gradient_spec"
+
+# Attribute of a parameter: (its spec, the placements of its local views'
+# gradients, their reduction, their bucket key).
+_LOCAL_REDUCTION_ATTRIBUTE = "_keras_local_gradient_reduction"
 
 # (mesh shape, gradient placements, parameter placements) -> the result of
 # `_partial_sum_reduction`.
@@ -140,11 +168,75 @@ def reduce_gradient_when_ready(parameter):
     if reduction is None or not _queue_finalizer():
         parameter.grad = _redistribute_gradient(grad, parameter)
         return
+    # Backward hooks run without gradient tracking: the local tensor is
+    # read directly (`to_local` would add an autograd node).
+    _add(parameter, grad._local_tensor, reduction, key)
+
+
+def reduce_local_gradient(node, local, placements):
+    """Buckets the gradient of a local view of a parameter, if it can.
+
+    Args:
+        node: the autograd node the view's gradient flows to: the
+            parameter's `AccumulateGrad` when the view is of a parameter.
+        local: the view's gradient, a plain tensor.
+        placements: the placements of that gradient as a DTensor: partial
+            sums over the batch axes.
+
+    Returns:
+        True if the gradient joined a bucket, and the parameter will get
+        its reduced gradient when backward ends. False, having done
+        nothing, when the view is not of a parameter whose gradients the
+        buckets reduce, when backward does not accumulate into it (as in
+        `torch.autograd.grad`) or builds a graph, or when the gradient
+        needs more than an all-reduce: the caller then hands autograd the
+        gradient as a DTensor.
+    """
+    if type(node) is not _ACCUMULATE_GRAD or torch.is_grad_enabled():
+        return False
+    parameter = node.variable
+    hooks = parameter._post_accumulate_grad_hooks
+    if hooks is None or reduce_gradient_when_ready not in hooks.values():
+        return False
+    try:
+        if not torch._C._will_engine_execute_node(node):
+            return False
+    except RuntimeError:
+        # `torch.autograd.grad` does not accumulate into leaves.
+        return False
+    reduction, key = _local_reduction_plan(parameter, placements, local)
+    if reduction is None or not reduction[0] or not _queue_finalizer():
+        return False
+    _add(parameter, local, reduction, key)
+    return True
+
+
+def _local_reduction_plan(parameter, placements, local):
+    """`(reduction, bucket key)` of a local view's gradient.
+
+    Planned once per parameter spec and gradient placements, and kept on
+    the parameter.
+    """
+    spec = parameter._spec
+    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
+    if kept is None or kept[0] is not spec or kept[1] is not placements:
+        reduction = _cached_reduction(spec.mesh, placements, spec.placements)
+        key = (spec.mesh, reduction, local.dtype)
+        kept = (spec, placements, reduction, key)
+        setattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, kept)
+    return kept[2], kept[3]
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
+def _add(parameter, local, reduction, key):
+    """Adds a local gradient to its open bucket; sends the bucket if full."""
     bucket = _PENDING.open.get(key)
     if bucket is None:
-        bucket = _Bucket(grad._spec.mesh, *reduction)
+        bucket = _Bucket(key[0], *reduction)
         _PENDING.open[key] = bucket
-    bucket.add(parameter, grad)
+    bucket.add(parameter, local)
     if bucket.nbytes >= _PENDING.cap_bytes:
         _launch(key)
 
@@ -162,19 +254,20 @@ def _reduction_plan(parameter, grad):
     target = parameter._spec.placements
     if grad._spec.placements == target:
         return None
-    reduction = _cached_reduction(grad, target)
-    return reduction, (grad._spec.mesh, reduction, grad.dtype)
+    mesh = grad._spec.mesh
+    reduction = _cached_reduction(mesh, grad._spec.placements, target)
+    return reduction, (mesh, reduction, grad.dtype)
 
 
-def _cached_reduction(grad, placements):
+def _cached_reduction(mesh, current, placements):
     """`_partial_sum_reduction`, computed once per mesh shape and placements."""
-    key = (grad._spec.mesh.shape, grad._spec.placements, placements)
+    key = (mesh.shape, current, placements)
     if key not in _REDUCTIONS:
-        _REDUCTIONS[key] = _partial_sum_reduction(grad, placements)
+        _REDUCTIONS[key] = _partial_sum_reduction(mesh, current, placements)
     return _REDUCTIONS[key]
 
 
-def _partial_sum_reduction(grad, placements):
+def _partial_sum_reduction(mesh, current_placements, placements):
     """Returns `(partial mesh dims, reduce op)` if an all-reduce suffices.
 
     That is the case when, on every mesh axis, the gradient's placement is
@@ -185,9 +278,8 @@ def _partial_sum_reduction(grad, placements):
     """
     partial_dims = []
     reduce_ops = set()
-    mesh = grad.device_mesh
     for mesh_dim, (current, target) in enumerate(
-        zip(grad.placements, placements)
+        zip(current_placements, placements)
     ):
         if current == target or _mesh_dim_size(mesh, mesh_dim) == 1:
             continue
@@ -237,12 +329,13 @@ def _finish_backward():
 
     pending = _PENDING
     _PENDING = _PendingReduction()
+    assigned = set()
     with torch.no_grad():
         for bucket in pending.open.values():
             bucket.launch()
             pending.launched.append(bucket)
         for bucket in pending.launched:
-            bucket.finish()
+            bucket.finish(assigned)
 
 
 def _like_parameter(local, parameter):

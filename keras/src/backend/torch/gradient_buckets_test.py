@@ -18,6 +18,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Partial
 
 from keras.src import testing
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
@@ -143,16 +144,18 @@ class GradientBucketsTest(testing.TestCase):
             )
 
     def test_partial_sum_reduction_plans(self):
-        partial = DTensor.from_local(
-            torch.ones(4), self.mesh, [Partial()], run_check=False
-        )
+        partial = (Partial(),)
         self.assertEqual(
-            gradient_buckets._partial_sum_reduction(partial, (Replicate(),)),
+            gradient_buckets._partial_sum_reduction(
+                self.mesh, partial, (Replicate(),)
+            ),
             ((0,), "sum"),
         )
         # A reduce-scatter to a sharded parameter is left to DTensor.
         self.assertIsNone(
-            gradient_buckets._partial_sum_reduction(partial, (Shard(0),))
+            gradient_buckets._partial_sum_reduction(
+                self.mesh, partial, (Shard(0),)
+            )
         )
 
     def test_gradient_outside_backward_is_redistributed_at_once(self):
@@ -237,6 +240,126 @@ class TwoDimensionalMeshTest(testing.TestCase):
                 expected.grad.numpy(),
                 atol=1e-5,
             )
+
+
+def local_view(parameter, mesh):
+    """A local call's view of `parameter` (see `batch_local`)."""
+    spec = batch_local._spec(mesh, (Partial(),), parameter._local_tensor)
+    return batch_local._LocalView.apply(parameter, spec)
+
+
+def shared_weight_loss(weight, other, mesh, reads):
+    """A loss reading `weight` once per item of `reads`, plus `other`.
+
+    Each read is "local" (a local view, as a layer running on local
+    tensors makes) or "dtensor" (the DTensor itself).
+    """
+    x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+    h = distribute_tensor(x, mesh, [Shard(0)]).to_local()
+    for read in reads:
+        if read == "local":
+            h = torch.tanh(h @ local_view(weight, mesh))
+        else:
+            h = DTensor.from_local(h, mesh, [Shard(0)], run_check=False)
+            h = torch.tanh(h @ weight).to_local()
+    h = h @ local_view(other, mesh)
+    return (h**2).sum()
+
+
+class LocalViewGradientTest(testing.TestCase):
+    """Gradients of local views join the buckets without a DTensor."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = one_process_mesh()
+        pretend_mesh_dims_of_size_two(self)
+
+    def expected_gradients(self, reads):
+        weight, other = [
+            torch.nn.Parameter(p.detach().full_tensor())
+            for p in replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        ]
+        x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+        h = x
+        for _ in reads:
+            h = torch.tanh(h @ weight)
+        ((h @ other) ** 2).sum().backward()
+        return weight.grad.numpy(), other.grad.numpy()
+
+    def check(self, reads, cap_mb, all_reduces):
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        with (
+            mock.patch.dict(
+                os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: cap_mb}
+            ),
+            mock.patch.object(
+                torch.distributed,
+                "all_reduce",
+                wraps=torch.distributed.all_reduce,
+            ) as all_reduce,
+            mock.patch.object(
+                dtensor_layouts,
+                "dtensor_from_spec",
+                wraps=dtensor_layouts.dtensor_from_spec,
+            ) as from_spec,
+        ):
+            shared_weight_loss(weight, other, self.mesh, reads).backward()
+        self.assertEqual(all_reduce.call_count, all_reduces)
+        # Only the reduced gradients are DTensors built from specs: one per
+        # parameter, however often it was read.
+        self.assertEqual(from_spec.call_count, 2)
+        for parameter, expected in zip(
+            (weight, other), self.expected_gradients(reads)
+        ):
+            self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+        self.assertEqual(gradient_buckets._PENDING.open, {})
+
+    def test_one_read(self):
+        self.check(["local"], "25", all_reduces=1)
+
+    def test_two_reads_summed_in_an_open_bucket(self):
+        self.check(["local", "local"], "25", all_reduces=1)
+
+    def test_two_reads_summed_after_sent_buckets(self):
+        # Every gradient sends its bucket: the weight's two reads reach
+        # two buckets, and the second is added to the first's result.
+        self.check(["local", "local"], "0", all_reduces=3)
+
+    def test_local_and_dtensor_reads_are_summed(self):
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        shared_weight_loss(
+            weight, other, self.mesh, ["local", "dtensor", "local"]
+        ).backward()
+        for parameter, expected in zip(
+            (weight, other),
+            self.expected_gradients(["local", "dtensor", "local"]),
+        ):
+            self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+
+    def test_autograd_grad_gets_partial_dtensors(self):
+        # `torch.autograd.grad` accumulates into no parameter: the views
+        # hand autograd their gradients as partial-sum DTensors.
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        loss = shared_weight_loss(weight, other, self.mesh, ["local"])
+        grads = torch.autograd.grad(loss, [weight, other])
+        for grad, expected in zip(grads, self.expected_gradients(["local"])):
+            self.assertEqual(tuple(grad.placements), (Partial(),))
+            self.assertAllClose(grad.to_local().numpy(), expected, atol=1e-6)
+        self.assertIsNone(weight.grad)
+        self.assertEqual(gradient_buckets._PENDING.open, {})
+
+    def test_backward_to_other_inputs_leaves_parameters_alone(self):
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        loss = shared_weight_loss(weight, other, self.mesh, ["local"])
+        loss.backward(inputs=[other])
+        self.assertIsNone(weight.grad)
+        self.assertEqual(tuple(other.grad.placements), (Replicate(),))
 
 
 class SizeOneMeshAxisTest(testing.TestCase):
