@@ -15,21 +15,27 @@ the count of each collective (counts, not times):
   the loss function is called) and 1 backward (the rest of the step), the
   minimum; no gradient needs a reduction after backward.
 - The same MLP fully sharded (`fully_sharded_layouts` on a (2,) "batch"
-  mesh, its two hidden kernels sharded): each layer runs on local tensors
-  and reads its sharded kernel all-gathered once, so forward issues one
-  all-gather per sharded kernel; gathered kernels are freed after
-  forward, and backward gathers again the one it needs (d2's, for d1's
-  output gradient), then reduce-scatters each sharded kernel's gradient;
-  the replicated variables (biases, the head's kernel) share one gradient
-  bucket; the loss adds its all-reduce. The kernels keep
-  their shards, and the trained weights equal the single-process ones.
+  mesh, its two hidden kernels sharded): the model runs on local tensors;
+  its two small sharded kernels form one unit (consecutive units are
+  joined up to `KERAS_DTENSOR_UNIT_CAP_MB`), all-gathered once in
+  forward; gathered kernels are freed after forward, and backward
+  gathers the unit again (for d2's kernel, needed by d1's output
+  gradient), then reduce-scatters both gradients in one collective; the
+  replicated variables (biases, the head's kernel) share one gradient
+  bucket; the loss adds its all-reduce. With a unit cap of 0, each
+  Dense is a unit: one all-gather per sharded kernel forward, d2's again
+  in backward (d1's is not needed: the input needs no gradient), one
+  reduce-scatter per kernel. The kernels keep their shards, and the
+  trained weights equal the single-process ones.
 - Two blocks (each a layer of two Dense sublayers) and a head, fully
-  sharded: each block's two sharded kernels are gathered in one
-  all-gather and their gradients reduce-scattered in one, so a step
-  issues 2 all-gathers in forward, 2 more in backward (block2 for
-  block1's gradient, block1 for its second kernel's input gradient) and
-  2 reduce-scatters. With both blocks recomputed, each block is one unit
-  too, gathered again by its recomputation: the same counts.
+  sharded: the two small blocks are joined into one unit (1 all-gather
+  forward, 1 backward, 1 reduce-scatter). With a unit cap of 0, each
+  block's two sharded kernels are gathered in one all-gather and their
+  gradients reduce-scattered in one, so a step issues 2 all-gathers in
+  forward, 2 more in backward (block2 for block1's gradient, block1 for
+  its second kernel's input gradient) and 2 reduce-scatters. With both
+  blocks recomputed, each block is one unit (a recomputed sublayer joins
+  no other), gathered again by its recomputation: the same counts.
 The losses equal a single-process run's.
 """
 
@@ -45,7 +51,9 @@ RUNS = [
     "tp:adamw",
     "fsdp:sgd",
     "fsdp:adamw",
+    "fsdp:sgd::0",
     "fsdpblocks:sgd",
+    "fsdpblocks:sgd::0",
     "fsdpremat:sgd",
 ]
 BUCKETED = "c10d.allreduce_"
@@ -112,16 +120,30 @@ def test_losses_equal_single_process(reports, run):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_fully_sharded_step_gathers_each_sharded_kernel_once(
-    reports, optimizer
-):
-    """One all-gather per sharded kernel forward, one more in backward
-    for d2's kernel (d1's is not needed: the input needs no gradient), one
-    reduce-scatter per sharded kernel, one bucket for the replicated
+def test_fully_sharded_step_gathers_its_joined_unit_once(reports, optimizer):
+    """The two small sharded kernels form one unit: one all-gather
+    forward, one more in backward (d2's kernel, for d1's output
+    gradient), one reduce-scatter, one bucket for the replicated
     variables."""
-    sharded = len(FSDP_SHARDED)
     for report in reports:
         run = f"fsdp:{optimizer}"
+        assert report[f"{run}/forward_counts"] == {ALL_GATHER: 1}
+        assert counts(report, run) == {
+            ALL_GATHER: 2,
+            REDUCE_SCATTER: 1,
+            BUCKETED: 1,
+            DTENSOR_ALL_REDUCE: 1,
+        }
+
+
+def test_unjoined_units_gather_each_sharded_kernel_once(reports):
+    """With a unit cap of 0, each Dense is a unit: one all-gather per
+    sharded kernel forward, one more in backward for d2's kernel (d1's
+    is not needed: the input needs no gradient), one reduce-scatter per
+    sharded kernel, one bucket for the replicated variables."""
+    sharded = len(FSDP_SHARDED)
+    for report in reports:
+        run = "fsdp:sgd::0"
         assert report[f"{run}/forward_counts"] == {ALL_GATHER: sharded}
         assert counts(report, run) == {
             ALL_GATHER: sharded + 1,
@@ -131,20 +153,19 @@ def test_fully_sharded_step_gathers_each_sharded_kernel_once(
         }
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_fully_sharded_variables_keep_their_shards(reports, optimizer):
+@pytest.mark.parametrize("run", ["fsdp:sgd", "fsdp:adamw", "fsdp:sgd::0"])
+def test_fully_sharded_variables_keep_their_shards(reports, run):
     for report in reports:
-        layouts = report[f"fsdp:{optimizer}/layouts"]
+        layouts = report[f"{run}/layouts"]
         assert layouts["d1/kernel"] == [["S(1)"], [16, 16]]
         assert layouts["d2/kernel"] == [["S(0)"], [16, 32]]
         assert layouts["head/kernel"] == [["R"], [32, 4]]
         assert layouts["d1/bias"] == [["R"], [32]]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_fully_sharded_weights_equal_single_process(reports, optimizer):
+@pytest.mark.parametrize("run", ["fsdp:sgd", "fsdp:adamw", "fsdp:sgd::0"])
+def test_fully_sharded_weights_equal_single_process(reports, run):
     for report in reports:
-        run = f"fsdp:{optimizer}"
         reference = report[f"{run}/reference_weights"]
         assert set(report[f"{run}/weights"]) == set(reference)
         for path, value in report[f"{run}/weights"].items():
@@ -153,15 +174,19 @@ def test_fully_sharded_weights_equal_single_process(reports, optimizer):
             )
 
 
-@pytest.mark.parametrize("run", ["fsdpblocks:sgd", "fsdpremat:sgd"])
-def test_fully_sharded_blocks_gather_each_block_once(reports, run):
-    """A block's sharded kernels share one all-gather each way and one
-    reduce-scatter, recomputed or not."""
+@pytest.mark.parametrize(
+    "run, units",
+    [("fsdpblocks:sgd", 1), ("fsdpblocks:sgd::0", 2), ("fsdpremat:sgd", 2)],
+)
+def test_fully_sharded_blocks_gather_each_unit_once(reports, run, units):
+    """A unit's sharded kernels share one all-gather each way and one
+    reduce-scatter. The two small blocks are joined into one unit; with a
+    unit cap of 0, or recomputed in backward, each block is a unit."""
     for report in reports:
-        assert report[f"{run}/forward_counts"] == {ALL_GATHER: 2}
+        assert report[f"{run}/forward_counts"] == {ALL_GATHER: units}
         assert counts(report, run) == {
-            ALL_GATHER: 4,
-            REDUCE_SCATTER: 2,
+            ALL_GATHER: 2 * units,
+            REDUCE_SCATTER: units,
             BUCKETED: 1,
             DTENSOR_ALL_REDUCE: 1,
         }

@@ -1,7 +1,7 @@
 """Counts the collectives of one training step under a distribution.
 
 Usage: collectives_worker.py RUN [RUN ...] (under torchrun), each RUN
-being `MODE:OPTIMIZER[:CAP]`:
+being `MODE:OPTIMIZER[:CAP[:UNIT_CAP]]`:
   MODE: `dp` (`DataParallel`, a 3-layer MLP), `tp` (`ModelParallel` on a
     (1, N) mesh, a replicated layer, then a Megatron MLP block: column-
     then row-parallel kernels, then a replicated head) or `fsdp`
@@ -12,7 +12,10 @@ being `MODE:OPTIMIZER[:CAP]`:
     `fsdpremat` (`fsdpblocks` with both blocks recomputed in backward,
     `remat_layers`).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
-  CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`).
+  CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`), empty
+    for the default.
+  UNIT_CAP: the gathered size in MB up to which consecutive units of
+    fully sharded variables are joined (`KERAS_DTENSOR_UNIT_CAP_MB`).
 After two warm-up steps, one `train_on_batch` runs under the benchmark's
 `CollectiveCounter` (a `CommDebugMode`);
 the counts per collective are reported under `<RUN>/counts`, those of
@@ -152,12 +155,17 @@ def train(mode, optimizer_name, distributed=True):
     return model, losses, counts
 
 
+CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
+
+
 def run(spec):
-    mode, optimizer_name, *cap = spec.split(":")
-    if cap:
-        os.environ["KERAS_DTENSOR_BUCKET_CAP_MB"] = cap[0]
+    mode, optimizer_name, *caps = spec.split(":")
+    for name, cap in zip(CAP_ENV_VARS, caps):
+        if cap:
+            os.environ[name] = cap
     model, losses, counts = train(mode, optimizer_name)
-    os.environ.pop("KERAS_DTENSOR_BUCKET_CAP_MB", None)
+    for name in CAP_ENV_VARS:
+        os.environ.pop(name, None)
     record(f"{spec}/counts", counts)
     record(f"{spec}/forward_counts", dict(_FORWARD_COUNTS))
     record(f"{spec}/trainable", len(model.trainable_variables))

@@ -865,13 +865,37 @@ def _units(layer, sharded, gradient_placements):
     ids = set(values)
     # A layer recomputed whole is one unit, as FSDP wraps a block.
     whole = getattr(layer, "_remat_mode", None) is not None
-    groups = gathered_units.units_of(layer, lambda v: id(v) in ids, whole)
+    owned = gathered_units.owned_units(layer, lambda v: id(v) in ids, whole)
+    candidates = []
+    for owner, group in owned:
+        group_values = [values[id(v)] for v in group]
+        key = _join_key(owner, group_values, gradient_placements)
+        nbytes = sum(
+            value.numel() * value.element_size() for value in group_values
+        )
+        candidates.append((key, nbytes, group))
+    groups = gathered_units.join_small_units(
+        candidates, gathered_units.unit_cap_bytes()
+    )
     units = {}
-    # Variables do not hash: a unit's variables share one tuple object.
-    for group in {id(group): group for group in groups.values()}.values():
+    for group in groups:
         unit = _Unit(group, [values[id(v)] for v in group], gradient_placements)
         units.update((id(variable), unit) for variable in group)
     return units
+
+
+def _join_key(owner, values, gradient_placements):
+    """Which units one collective may gather together (None: no other).
+
+    A unit joins others of its mesh and dtype when it is gathered in one
+    collective itself; a sublayer recomputed in backward stays alone (its
+    recomputation gathers its own values again).
+    """
+    if owner is not None and getattr(owner, "_remat_mode", None) is not None:
+        return None
+    if gathered_units.unit_plan(values, gradient_placements) is None:
+        return None
+    return (values[0].device_mesh, values[0].dtype)
 
 
 def _spec(mesh, placements, tensor):

@@ -1,6 +1,7 @@
 """Tests of `batch_local` on a one-process mesh."""
 
 import contextlib
+import os
 from unittest import mock
 
 import numpy as np
@@ -339,16 +340,48 @@ class BatchLocalTest(testing.TestCase):
             self.assertAllClose(local.numpy(), watched.numpy())
 
     def test_backward_gathers_again_what_it_needs(self):
-        model = models.Sequential([layers.Dense(6), layers.Dense(3)])
-        model = self.sharded_layer(model, (None, 4))
-        outputs, gradients, gathers = self.watched_then_local(
-            model, self.batch((6, 4))
-        )
+        # With units not joined, each Dense is a unit of its own.
+        with mock.patch.dict(
+            os.environ, {gathered_units.UNIT_CAP_ENV_VAR: "0"}
+        ):
+            model = models.Sequential([layers.Dense(6), layers.Dense(3)])
+            model = self.sharded_layer(model, (None, 4))
+            outputs, gradients, gathers = self.watched_then_local(
+                model, self.batch((6, 4))
+            )
         # Both calls gather both kernels in forward. Backward of the local
         # call, whose saved kernels were not kept, gathers again the second
         # one (the first is not needed: the input needs no gradient).
         self.assertEqual(gathers, [2, 2, 2, 3])
         self.assertSameCalls(outputs, gradients)
+
+    def test_small_consecutive_units_are_joined(self):
+        model = models.Sequential(
+            [layers.Dense(6), layers.Dense(5), layers.Dense(3)]
+        )
+        model = self.sharded_layer(model, (None, 4))
+        kernels = [layer.kernel for layer in model.layers]
+        # The two first kernels' gathered bytes fit the cap; the third
+        # starts a unit of its own.
+        cap_mb = (4 * 6 + 6 * 5) * 4 / 2**20
+        with mock.patch.dict(
+            os.environ, {gathered_units.UNIT_CAP_ENV_VAR: str(cap_mb)}
+        ):
+            outputs, gradients, gathers = self.watched_then_local(
+                model, self.batch((6, 4))
+            )
+            units = batch_local._units(
+                model,
+                [(kernel, kernel._value) for kernel in kernels],
+                (Partial(),),
+            )
+        # The watched call gathers each kernel; the local call, two units
+        # in forward, and both again in backward.
+        self.assertEqual(gathers, [3, 3, 2, 4])
+        self.assertSameCalls(outputs, gradients)
+        self.assertIs(units[id(kernels[0])], units[id(kernels[1])])
+        self.assertIsNot(units[id(kernels[1])], units[id(kernels[2])])
+        self.assertEqual(units[id(kernels[2])].variables, (kernels[2],))
 
     def test_a_unit_is_gathered_once_whatever_its_read_order(self):
         class Reversed(layers.Layer):

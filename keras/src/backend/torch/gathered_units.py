@@ -12,7 +12,12 @@ reduce-scattered in one collective back to each variable's shards.
 
 Which variables form a unit (`units_of`): those of each direct sublayer
 of the layer that runs locally, and those the layer holds itself; all of
-them when the layer is recomputed whole (`remat_layers`). A unit
+them when the layer is recomputed whole (`remat_layers`). Consecutive
+small units are then joined (`join_small_units`), as DDP fills a bucket:
+while the joined unit's gathered bytes stay within
+`KERAS_DTENSOR_UNIT_CAP_MB` (25 by default; 0 joins nothing), so that a
+flat model of many small layers is not gathered one layer at a time. A
+sublayer recomputed in backward stays a unit of its own. A unit
 is gathered in one collective when all its variables are split evenly
 along one dimension over the same single mesh axis, replicated on the
 others, and share a dtype, and when that axis is the only one that splits
@@ -25,11 +30,16 @@ same program on the same global shapes gives the same order on every
 process.
 """
 
+import os
+
 import torch
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import dtensor_layouts
+
+UNIT_CAP_ENV_VAR = "KERAS_DTENSOR_UNIT_CAP_MB"
+DEFAULT_UNIT_CAP_MB = 25
 
 
 class UnitPlan:
@@ -169,9 +179,28 @@ def units_of(layer, sharded, whole=False):
 
     Returns:
         A dict from `id(variable)` to the variables of its unit (a tuple),
-        for each sharded variable: those of each direct sublayer, then
-        those the layer holds itself. A variable shared by several
-        sublayers belongs to the first one's unit.
+        for each sharded variable, as `owned_units` groups them.
+    """
+    return {
+        id(v): group
+        for _, group in owned_units(layer, sharded, whole)
+        for v in group
+    }
+
+
+def owned_units(layer, sharded, whole=False):
+    """The units of a layer that runs locally, in order, with their owners.
+
+    Args:
+        layer: the layer.
+        sharded: a predicate telling the sharded variables to gather.
+        whole: whether the layer is one unit.
+
+    Returns:
+        A list of `(owner, variables)`: the sharded variables (a tuple) of
+        each direct sublayer (the owner), then those the layer holds
+        itself (owner None). A variable shared by several sublayers
+        belongs to the first one's unit.
     """
     groups = []
     flatten = getattr(layer, "_flatten_layers", None)
@@ -185,5 +214,40 @@ def units_of(layer, sharded, whole=False):
                 seen.add(id(variable))
                 group.append(variable)
         if group:
-            groups.append(tuple(group))
-    return {id(v): group for group in groups for v in group}
+            groups.append((owner, tuple(group)))
+    return groups
+
+
+def join_small_units(units, cap_bytes):
+    """Joins consecutive units while the joined one stays within a cap.
+
+    Args:
+        units: a list of `(key, nbytes, variables)`: `key` tells which
+            units may be gathered together (equal keys), None for a unit
+            that joins no other; `nbytes` is the unit's gathered size.
+        cap_bytes: the largest gathered size of a joined unit.
+
+    Returns:
+        The list of joined units' variables (tuples), in order.
+    """
+    joined = []
+    last_key, last_bytes = None, 0
+    for key, nbytes, variables in units:
+        if (
+            joined
+            and key is not None
+            and key == last_key
+            and last_bytes + nbytes <= cap_bytes
+        ):
+            joined[-1] = joined[-1] + variables
+            last_bytes += nbytes
+            continue
+        joined.append(variables)
+        last_key, last_bytes = key, nbytes
+    return joined
+
+
+def unit_cap_bytes():
+    """The gathered size up to which consecutive units are joined."""
+    megabytes = float(os.environ.get(UNIT_CAP_ENV_VAR, DEFAULT_UNIT_CAP_MB))
+    return int(megabytes * 2**20)

@@ -105,3 +105,24 @@ class GatheredUnitsTest(testing.TestCase):
         )
         self.assertEqual(len(units), 2)
         self.assertIs(units[id(kernels[0])], units[id(kernels[1])])
+
+    def test_join_small_units(self):
+        join = gathered_units.join_small_units
+        a, b, c, d = ("a",), ("b",), ("c",), ("d",)
+        # Consecutive units of one key, up to the cap.
+        self.assertEqual(
+            join([("k", 4, a), ("k", 4, b), ("k", 4, c)], 8), [a + b, c]
+        )
+        # A unit with no key, or another key, joins nothing and starts
+        # afresh.
+        self.assertEqual(
+            join([("k", 1, a), (None, 1, b), ("k", 1, c), ("j", 1, d)], 8),
+            [a, b, c, d],
+        )
+        self.assertEqual(
+            join([(None, 1, a), (None, 1, b)], 8),
+            [a, b],
+        )
+        # A cap of 0 joins nothing; a unit above the cap stays whole.
+        self.assertEqual(join([("k", 1, a), ("k", 1, b)], 0), [a, b])
+        self.assertEqual(join([("k", 9, a), ("k", 1, b)], 8), [a, b])
