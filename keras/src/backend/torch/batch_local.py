@@ -667,6 +667,10 @@ class _LocalVariables(StatelessScope):
         self.units = units or {}
         # Gathered views of the last gathered unit's variables not read yet.
         self.unread = {}
+        # id(unit) -> its `StartedGather`, for units gathered ahead.
+        self.prefetched = {}
+        # ids of the units gathered, or gathered ahead, in this call.
+        self.started = set()
         # Storage address of each gathered value -> its `_GatheredSource`
         # and index, when gathered values are freed after forward.
         self.gathered = {} if regather else None
@@ -701,10 +705,39 @@ class _LocalVariables(StatelessScope):
             self._register(_GatheredSource(None, (value,)), (view,))
             return view
         values = tuple(v._value for v in unit.variables)
-        views = gathered_units.GatherUnit.apply(unit.plan, *values)
+        started = self.prefetched.pop(id(unit), None)
+        if started is not None and not _same_objects(started.values, values):
+            started.wait()
+            started = None
+        self.started.add(id(unit))
+        if started is None:
+            started = gathered_units.StartedGather(unit.plan, values)
+        self._prefetch(unit.next)
+        views = gathered_units.GatherUnit.apply(unit.plan, started, *values)
         self._register(_GatheredSource(unit.plan, values), views)
         self.unread = {id(v): view for v, view in zip(unit.variables, views)}
         return self.unread.pop(id(variable))
+
+    def _prefetch(self, unit):
+        """Issues the gather of `unit` ahead, unless it was gathered or
+        gathered ahead in this call already (or is None)."""
+        if unit is None or id(unit) in self.started:
+            return
+        self.started.add(id(unit))
+        values = tuple(v._value for v in unit.variables)
+        self.prefetched[id(unit)] = gathered_units.StartedGather(
+            unit.plan, values
+        )
+
+    def __exit__(self, *exc_info):
+        prefetched, self.prefetched = self.prefetched, {}
+        try:
+            # A unit gathered ahead but never read: its gather is waited
+            # for.
+            for started in prefetched.values():
+                started.wait()
+        finally:
+            super().__exit__(*exc_info)
 
     def _register(self, source, views):
         """Notes where gathered `views` lie, for the saved-tensor hooks."""
@@ -844,11 +877,15 @@ class _Unit:
         variables: the Keras variables, a tuple.
         plan: the `gathered_units.UnitPlan` that gathers them in one
             collective, or None where each one is gathered alone.
+        next: the unit with a plan that follows it in `owned_units`
+            order, gathered ahead when this one is gathered; or None.
     """
 
     def __init__(self, variables, values, gradient_placements):
         self.variables = variables
         self.plan = gathered_units.unit_plan(values, gradient_placements)
+        # The unit gathered ahead when this one is gathered (`_units`).
+        self.next = None
 
 
 def _units(layer, sharded, gradient_placements):
@@ -878,10 +915,22 @@ def _units(layer, sharded, gradient_placements):
         candidates, gathered_units.unit_cap_bytes()
     )
     units = {}
+    previous = None
     for group in groups:
         unit = _Unit(group, [values[id(v)] for v in group], gradient_placements)
         units.update((id(variable), unit) for variable in group)
+        if unit.plan is None:
+            continue
+        if previous is not None:
+            previous.next = unit
+        previous = unit
     return units
+
+
+def _same_objects(first, second):
+    return len(first) == len(second) and all(
+        a is b for a, b in zip(first, second)
+    )
 
 
 def _join_key(owner, values, gradient_placements):

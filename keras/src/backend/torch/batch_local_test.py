@@ -268,9 +268,9 @@ class BatchLocalTest(testing.TestCase):
         )
         by_unit = mock.patch.object(
             gathered_units.UnitPlan,
-            "gather",
+            "start_gather",
             autospec=True,
-            side_effect=gathered_units.UnitPlan.gather,
+            side_effect=gathered_units.UnitPlan.start_gather,
         )
         with alone as one, by_unit as unit:
             yield lambda: one.call_count + unit.call_count
@@ -329,7 +329,10 @@ class BatchLocalTest(testing.TestCase):
                 gathers.append(gathered())
             outputs.append(out.to_local().detach().numpy())
             gradients.append(
-                [v.value.grad.to_local() for v in model.trainable_variables]
+                [
+                    None if v.value.grad is None else v.value.grad.to_local()
+                    for v in model.trainable_variables
+                ]
             )
         return outputs, gradients, gathers
 
@@ -337,6 +340,9 @@ class BatchLocalTest(testing.TestCase):
         """The local call's output and gradients equal the watched one's."""
         self.assertAllClose(outputs[1], outputs[0])
         for local, watched in zip(gradients[1], gradients[0]):
+            if local is None or watched is None:
+                self.assertIs(local, watched)
+                continue
             self.assertAllClose(local.numpy(), watched.numpy())
 
     def test_backward_gathers_again_what_it_needs(self):
@@ -353,6 +359,92 @@ class BatchLocalTest(testing.TestCase):
         # call, whose saved kernels were not kept, gathers again the second
         # one (the first is not needed: the input needs no gradient).
         self.assertEqual(gathers, [2, 2, 2, 3])
+        self.assertSameCalls(outputs, gradients)
+
+    def test_the_next_unit_is_gathered_ahead(self):
+        events = []
+        start = gathered_units.UnitPlan.start_gather
+        finish = gathered_units.UnitPlan.finish_gather
+
+        def noting_start(plan, shards):
+            events.append(("start", tuple(shards[0].shape)))
+            return start(plan, shards)
+
+        def noting_finish(plan, started):
+            events.append(("finish", tuple(plan.local_shapes[0])))
+            return finish(plan, started)
+
+        with mock.patch.dict(
+            os.environ, {gathered_units.UNIT_CAP_ENV_VAR: "0"}
+        ):
+            model = models.Sequential(
+                [layers.Dense(6), layers.Dense(5), layers.Dense(3)]
+            )
+            model = self.sharded_layer(model, (None, 4))
+            self.call_in_step(model, self.batch((6, 4)))
+            events.clear()
+            with (
+                mock.patch.object(
+                    gathered_units.UnitPlan,
+                    "start_gather",
+                    autospec=True,
+                    side_effect=noting_start,
+                ),
+                mock.patch.object(
+                    gathered_units.UnitPlan,
+                    "finish_gather",
+                    autospec=True,
+                    side_effect=noting_finish,
+                ),
+            ):
+                self.call_in_step(model, self.batch((6, 4)))
+        # Each unit's gather is issued before the previous unit's values
+        # are waited for and used; each unit is gathered once.
+        self.assertEqual(
+            events,
+            [
+                ("start", (4, 6)),
+                ("start", (6, 5)),
+                ("finish", (4, 6)),
+                ("start", (5, 3)),
+                ("finish", (6, 5)),
+                ("finish", (5, 3)),
+            ],
+        )
+
+    def test_a_unit_gathered_ahead_but_not_read_is_waited_for(self):
+        class FirstOnly(layers.Layer):
+            """Holds two Dense sublayers and calls the first only."""
+
+            def __init__(self):
+                super().__init__(name="first_only")
+                self.first = layers.Dense(4, name="first")
+                self.second = layers.Dense(4, name="second")
+
+            def build(self, input_shape):
+                self.first.build(input_shape)
+                self.second.build(input_shape)
+
+            def call(self, x):
+                return self.first(x)
+
+        with mock.patch.dict(
+            os.environ, {gathered_units.UNIT_CAP_ENV_VAR: "0"}
+        ):
+            layer = self.sharded_layer(FirstOnly(), (None, 4))
+            with mock.patch.object(
+                gathered_units.StartedGather,
+                "wait",
+                autospec=True,
+                side_effect=gathered_units.StartedGather.wait,
+            ) as wait:
+                outputs, gradients, gathers = self.watched_then_local(
+                    layer, self.batch((6, 4))
+                )
+        # The local call gathers the first unit and, ahead, the second,
+        # which it never reads: that gather is waited for at the end.
+        self.assertEqual(gathers[2], 2)
+        self.assertEqual(wait.call_count, 1)
         self.assertSameCalls(outputs, gradients)
 
     def test_small_consecutive_units_are_joined(self):

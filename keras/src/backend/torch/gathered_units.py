@@ -25,9 +25,14 @@ the batch (`unit_plan`); otherwise each variable is gathered alone, by
 DTensor.
 
 Collectives: a unit's gather is issued at the first read of one of its
-variables in the call, its reduce-scatter when autograd reaches it; the
-same program on the same global shapes gives the same order on every
-process.
+variables in the call, unless it was issued ahead: when a unit is
+gathered in forward, the gather of the next unit (in the order of
+`owned_units`) is issued before the current unit's values are waited for
+and used, as FSDP2 prefetches, so that it overlaps the current unit's
+compute. A prefetched unit that the call never reads is waited for when
+the call ends. A unit's reduce-scatter is issued when autograd reaches
+it. The same program on the same global shapes gives the same order on
+every process.
 """
 
 import os
@@ -65,10 +70,19 @@ class UnitPlan:
 
     def gather(self, shards):
         """The full values of local `shards`, by one all-gather."""
+        return self.finish_gather(self.start_gather(shards))
+
+    def start_gather(self, shards):
+        """Issues the all-gather of local `shards`, without waiting.
+
+        Returns the gathered rows, to be handed to `finish_gather`.
+        """
         flat = torch.cat([shard.reshape(-1) for shard in shards])
-        rows = _wait(
-            funcol.all_gather_tensor(flat, gather_dim=0, group=self.group)
-        ).view(self.world, -1)
+        return funcol.all_gather_tensor(flat, gather_dim=0, group=self.group)
+
+    def finish_gather(self, started):
+        """The full values, from the result of `start_gather`."""
+        rows = _wait(started).view(self.world, -1)
         fulls = []
         pieces = rows.split(self.numels, dim=1)
         for piece, shape, dim in zip(pieces, self.local_shapes, self.dims):
@@ -101,19 +115,39 @@ def _wait(tensor):
     return tensor
 
 
+class StartedGather:
+    """The all-gather of a unit's values, issued ahead of their first read.
+
+    Attributes:
+        values: the sharded DTensor values gathered.
+        rows: the result of `UnitPlan.start_gather`.
+    """
+
+    def __init__(self, plan, values):
+        self.values = values
+        self.rows = plan.start_gather([value._local_tensor for value in values])
+
+    def wait(self):
+        """Waits for the gather (of a prefetch that was never read)."""
+        _wait(self.rows)
+
+
 class GatherUnit(torch.autograd.Function):
     """The full local values of a unit's sharded DTensor values.
 
-    Backward reduce-scatters the gradients of the full values (partial
-    sums over the plan's axis) to DTensor gradients laid out like the
-    values.
+    `started` is the unit's `StartedGather` when it was issued ahead
+    (prefetched), else None: forward issues it. Backward reduce-scatters
+    the gradients of the full values (partial sums over the plan's axis)
+    to DTensor gradients laid out like the values.
     """
 
     @staticmethod
-    def forward(ctx, plan, *values):
+    def forward(ctx, plan, started, *values):
         ctx.plan = plan
         ctx.set_materialize_grads(False)
-        return tuple(plan.gather([value._local_tensor for value in values]))
+        if started is None:
+            started = StartedGather(plan, values)
+        return tuple(plan.finish_gather(started.rows))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -127,7 +161,7 @@ class GatherUnit(torch.autograd.Function):
             for grad, spec in zip(grads, plan.specs)
         ]
         shards = plan.reduce_scatter(grads)
-        return (None,) + tuple(
+        return (None, None) + tuple(
             dtensor_layouts.dtensor_from_spec(
                 shard, dtensor_layouts.copy_spec(spec)
             )
