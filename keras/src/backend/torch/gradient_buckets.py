@@ -119,7 +119,7 @@ class _Bucket:
             if id(parameter) in assigned:
                 parameter.grad._local_tensor.add_(local)
             else:
-                parameter.grad = _like_parameter(local, parameter)
+                parameter.grad = _accumulated(parameter, local)
                 assigned.add(id(parameter))
 
 
@@ -336,6 +336,23 @@ def _finish_backward():
             pending.launched.append(bucket)
         for bucket in pending.launched:
             bucket.finish(assigned)
+
+
+def _accumulated(parameter, local):
+    """The parameter's gradient once its reduced `local` gradient is in.
+
+    A gradient the parameter holds from an earlier backward pass (not
+    reset since) is laid out like it, and `local` is added to it, as
+    autograd accumulates. A partial gradient it holds is this pass's, and
+    is in `local` already: it is replaced.
+    """
+    grad = parameter.grad
+    if (
+        isinstance(grad, DTensor)
+        and grad._spec.placements == parameter._spec.placements
+    ):
+        local = grad._local_tensor + local
+    return _like_parameter(local, parameter)
 
 
 def _like_parameter(local, parameter):

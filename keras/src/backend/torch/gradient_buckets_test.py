@@ -342,6 +342,26 @@ class LocalViewGradientTest(testing.TestCase):
                 parameter.grad.full_tensor().numpy(), expected, atol=1e-6
             )
 
+    def test_a_second_backward_accumulates(self):
+        # Without resetting the gradients, a second backward pass adds to
+        # them, as autograd does: through local views alone, and through
+        # local views and DTensor reads together.
+        for reads in (["local"], ["local", "dtensor", "local"]):
+            weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+            for _ in range(2):
+                shared_weight_loss(weight, other, self.mesh, reads).backward()
+            for parameter, expected in zip(
+                (weight, other), self.expected_gradients(reads)
+            ):
+                self.assertEqual(
+                    tuple(parameter.grad.placements), (Replicate(),)
+                )
+                self.assertAllClose(
+                    parameter.grad.full_tensor().numpy(),
+                    2 * expected,
+                    atol=1e-5,
+                )
+
     def test_autograd_grad_gets_partial_dtensors(self):
         # `torch.autograd.grad` accumulates into no parameter: the views
         # hand autograd their gradients as partial-sum DTensors.
