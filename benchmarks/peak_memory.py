@@ -1,0 +1,192 @@
+"""The peak memory of one training step, Keras against its native twin.
+
+Builds each benchmark cell exactly as `run.py` does, then runs one
+training step of each model under `torch.profiler` with memory profiling
+and reads the CPU allocator's bytes in use that the profiler records with
+every allocation of the step: forward, backward (its C++ autograd
+included) and optimizer. The peak is the largest number of bytes in use
+at any point of the step above those in use when it starts
+(parameters, gradients and optimizer state held across steps are not
+counted; gradients and states created in the step are). On a GPU the same
+script reads `torch.cuda.max_memory_allocated` instead.
+
+Each rank measures its own steps; the report gives the largest over the
+ranks, per cell: Keras, native, and their ratio.
+
+Run it like the harness, e.g.:
+
+    KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
+        benchmarks/peak_memory.py --modes fsdp --out benchmarks/results
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import cell  # noqa: E402
+import measure  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import workloads  # noqa: E402
+from torch._C._profiler import _EventType  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
+from torch.profiler import profile  # noqa: E402
+
+import keras  # noqa: E402
+
+
+def cpu_step_peak_bytes(step):
+    """Bytes in use at the step's peak, above its start, on the CPU.
+
+    Every allocation the profiler records carries the CPU allocator's
+    total in use right after it, for the whole process (allocations of
+    other threads, gloo's included, count too).
+    """
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True
+    ) as profiler:
+        step()
+    allocations = []
+    events = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag != _EventType.Allocation:
+            continue
+        fields = event.extra_fields
+        if fields.device.type == "cpu":
+            allocations.append(
+                (event.start_time_ns, fields.alloc_size, fields.total_allocated)
+            )
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_size, first_total = allocations[0]
+    start = first_total - first_size
+    return max(total for _, _, total in allocations) - start
+
+
+def cuda_step_peak_bytes(step):
+    """Bytes in use at the step's peak, above its start, on the GPU."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def step_peak_bytes(step):
+    if torch.cuda.is_available():
+        return cuda_step_peak_bytes(step)
+    return cpu_step_peak_bytes(step)
+
+
+def largest_over_ranks(value):
+    """The largest of every rank's `value` (an int)."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=cell.device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def measure_cell(workload, mode, config, warmup):
+    """Peak bytes of one Keras and one native step of a cell."""
+    result = cell.new_cell(workload, mode)
+    options = {"steps": 0, "warmup": warmup, "jit": False, "seed": 0}
+    steps = cell.prepare(result, config, options)
+    peaks = {}
+    for name in ("keras", "native"):
+        measure.barrier()
+        peaks[name] = largest_over_ranks(step_peak_bytes(steps[name]))
+    return {
+        "workload": workload,
+        "mode": mode,
+        "world": result["world"],
+        "twin": result["twin"],
+        "peak_bytes": peaks,
+    }
+
+
+def table(rows):
+    lines = [
+        "| workload | mode | processes | Keras peak MiB | native peak MiB "
+        "| Keras / native |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        keras_bytes = row["peak_bytes"]["keras"]
+        native_bytes = row["peak_bytes"]["native"]
+        lines.append(
+            f"| {row['workload']} | {row['mode']} | {row['world']} "
+            f"| {keras_bytes / 2**20:.2f} | {native_bytes / 2**20:.2f} "
+            f"| {keras_bytes / max(native_bytes, 1):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workload", default=",".join(workloads.WORKLOADS))
+    parser.add_argument("--modes", default="fsdp")
+    defaults = workloads.Config()
+    for field in ("hidden", "layers", "batch", "seq", "heads", "vocab"):
+        parser.add_argument(
+            f"--{field}", type=int, default=getattr(defaults, field)
+        )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tag", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    modes = args.modes.split(",")
+    if modes != ["single"]:
+        keras.distribution.initialize()
+    config = workloads.Config(
+        hidden=args.hidden,
+        layers=args.layers,
+        batch=args.batch,
+        seq=args.seq,
+        heads=args.heads,
+        vocab=args.vocab,
+    )
+    rows = [
+        measure_cell(workload, mode, config, args.warmup)
+        for mode in modes
+        for workload in args.workload.split(",")
+    ]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        return
+    text = table(rows)
+    print(text)
+    if args.out:
+        world = rows[0]["world"] if rows else 1
+        tag = args.tag or f"n{world}_peak_memory"
+        os.makedirs(args.out, exist_ok=True)
+        record = {
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_average": list(os.getloadavg()),
+            "config": vars(args),
+            "environment": {
+                name: value
+                for name, value in os.environ.items()
+                if name.startswith("KERAS_DTENSOR_")
+            },
+            "rows": rows,
+        }
+        with open(os.path.join(args.out, f"{tag}.json"), "w") as file:
+            json.dump(record, file, indent=1)
+        with open(os.path.join(args.out, f"{tag}.md"), "w") as file:
+            file.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
