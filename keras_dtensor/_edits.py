@@ -653,6 +653,21 @@ def edit_trainer_names_failed_calls(trainer_module):
         wrap(name)
 
 
+# Names that a later keras renamed, per module: the name the overlay and
+# the edits use (keras 3.15.1's) -> the name in that keras.
+RENAMED_NAMES = {
+    "keras.src.backend.torch.trainer": {"TorchTrainer": "Trainer"},
+    "keras.src.trainers.trainer": {"Trainer": "BaseTrainer"},
+}
+
+
+def edit_renamed_names(module):
+    """Gives `module` its keras 3.15.1 names that a later keras renamed."""
+    for old, new in RENAMED_NAMES.get(module.__name__, {}).items():
+        if not hasattr(module, old) and hasattr(module, new):
+            setattr(module, old, getattr(module, new))
+
+
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -672,10 +687,14 @@ POST_IMPORT_EDITS = {
         edit_set_distribution_shares_seed,
     ],
     "keras.src.backend.torch.trainer": lambda: [
+        edit_renamed_names,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],
-    "keras.src.trainers.trainer": lambda: [edit_metrics_result_in_step_context],
+    "keras.src.trainers.trainer": lambda: [
+        edit_renamed_names,
+        edit_metrics_result_in_step_context,
+    ],
     "keras.src.trainers.data_adapters": lambda: [edit_data_adapter_auto_shard],
     "keras.src.layers.layer": lambda: [
         edit_layer_call_runs_batch_local,

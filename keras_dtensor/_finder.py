@@ -26,6 +26,13 @@ import sys
 OVERLAY_PACKAGE = "keras.src"
 TORCH_OVERLAY_PACKAGE = "keras.src.backend.torch"
 
+# Upstream modules that a later keras moved: the name the overlay imports
+# (keras 3.15.1's) -> the name in that keras. The old name is served as
+# the moved module only where the installed keras lacks it.
+MOVED_MODULES = {
+    "keras.src.backend.torch.core": "keras.src.backend.torch.ops.core",
+}
+
 
 def overlay_root():
     """Returns the folder that holds the overlay's `src/` tree."""
@@ -56,6 +63,21 @@ class _EditingLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads a module name as another, already importable, module."""
+
+    def __init__(self, target, edits):
+        self._target = target
+        self._edits = edits
+
+    def create_module(self, spec):
+        return importlib.import_module(self._target)
+
+    def exec_module(self, module):
+        for edit in self._edits:
+            edit(module)
 
 
 class KerasOverlayFinder(importlib.abc.MetaPathFinder):
@@ -92,9 +114,17 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
                 fullname, overlay_file
             )
         edits_for = self._post_import_edits.get(fullname)
-        if edits_for is None:
+        moved = MOVED_MODULES.get(fullname)
+        if edits_for is None and moved is None:
             return None
         spec = self._find_upstream_spec(fullname, path, target)
+        if spec is None and moved is not None:
+            edits = edits_for() if edits_for is not None else []
+            return importlib.machinery.ModuleSpec(
+                fullname, _AliasLoader(moved, edits)
+            )
+        if edits_for is None:
+            return spec
         if spec is None or spec.loader is None:
             return spec
         edits = edits_for()

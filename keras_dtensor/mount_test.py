@@ -272,3 +272,59 @@ def test_the_installed_keras_version_is_read_from_its_source():
 
     assert _edits.installed_keras_version() == __version__
     _edits.check_installed_keras_version()
+
+
+def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):
+    """Where the installed package lacks a module the overlay imports, the
+    mount serves the module it moved to, with the old name's edits."""
+    from keras_dtensor import _finder
+
+    package = tmp_path / "movedpkg"
+    (package / "ops").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "ops" / "__init__.py").write_text("")
+    (package / "ops" / "core.py").write_text("VALUE = 7\n")
+    (package / "kept.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        _finder,
+        "MOVED_MODULES",
+        {"movedpkg.core": "movedpkg.ops.core", "movedpkg.kept": "movedpkg.x"},
+    )
+    edited = []
+    finder = _finder.KerasOverlayFinder(
+        None, {"movedpkg.core": lambda: [edited.append]}
+    )
+    # This finder stands in for the installed one.
+    others = [f for f in sys.meta_path if type(f) is not type(finder)]
+    monkeypatch.setattr(sys, "meta_path", [finder, *others])
+    for name in list(sys.modules):
+        if name.startswith("movedpkg"):
+            monkeypatch.delitem(sys.modules, name)
+    import movedpkg.core
+    import movedpkg.kept
+    import movedpkg.ops.core
+
+    assert movedpkg.core is movedpkg.ops.core
+    assert movedpkg.core.VALUE == 7
+    assert edited == [movedpkg.ops.core]
+    # A module the package still has is its own, moved or not.
+    assert movedpkg.kept.VALUE == 1
+    assert movedpkg.kept.__name__ == "movedpkg.kept"
+
+
+def test_renamed_names_get_their_old_names_back():
+    import types
+
+    from keras_dtensor import _edits
+
+    trainer = types.ModuleType("keras.src.backend.torch.trainer")
+    renamed = type("Trainer", (), {})
+    trainer.Trainer = renamed
+    _edits.edit_renamed_names(trainer)
+    assert trainer.TorchTrainer is renamed
+    # A module that has the old name keeps it.
+    both = types.ModuleType("keras.src.trainers.trainer")
+    both.Trainer, both.BaseTrainer = object, int
+    _edits.edit_renamed_names(both)
+    assert both.Trainer is object

@@ -75,7 +75,6 @@ from keras.src.backend.torch.dtensor_layouts import DTensorLayout  # noqa: F401
 from keras.src.backend.torch.dtensor_layouts import validate_layout  # noqa: F401
 from keras.src.backend.torch.process_group import TIMEOUT_ENV_VAR  # noqa: F401
 from keras.src.backend.torch.process_group import share_seed_once  # noqa: F401
-from keras.src.distribution import layout_validation
 
 _BACKEND_MESHES = {}
 
@@ -280,6 +279,8 @@ def initialize_variable_shard(initializer, shape, dtype, layout, path=None):
 def _checked_variable_layout(shape, layout, path):
     """`layout` as a `DTensorLayout`, once checked against the variable."""
     if getattr(layout, "device_mesh", None) is not None:
+        from keras.src.distribution import layout_validation
+
         # Checked before the layout is converted, so that the message
         # names the variable.
         layout_validation.check_layout(

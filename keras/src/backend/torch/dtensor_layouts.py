@@ -17,8 +17,6 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from keras.src.distribution import layout_validation
-
 # The backend form of a `TensorLayout`: the torch mesh, one placement per
 # mesh axis, and the Keras axes and mesh it came from (for error messages).
 DTensorLayout = collections.namedtuple(
@@ -47,6 +45,8 @@ def axes_to_placements(axes, device_mesh):
     Raises:
         ValueError: for an axis that is not a mesh axis, or one used twice.
     """
+    from keras.src.distribution import layout_validation
+
     layout_validation.check_layout(None, None, axes, device_mesh, "tensor")
     axis_names = list(device_mesh.axis_names)
     mesh_shape = tuple(device_mesh.shape)
@@ -96,6 +96,8 @@ def validate_layout(shape, layout, path=None, require_divisible=True):
     """
     if layout.axes is None:
         return
+    from keras.src.distribution import layout_validation
+
     layout_validation.check_layout(
         path,
         tuple(shape),

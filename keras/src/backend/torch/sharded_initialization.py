@@ -41,7 +41,6 @@ from torch.distributed.tensor._utils import (
 )
 from torch.overrides import TorchFunctionMode
 
-from keras.src import initializers
 from keras.src.backend.common.variables import standardize_dtype
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch.created_tensors import replicating_created_tensors
@@ -53,17 +52,6 @@ _SKIP_VALUES = 1024 * 1024
 # Normal values are drawn from uniform ones in groups of this many.
 _NORMAL_GROUP = 16
 
-# Initializer classes whose values split into rows exactly, as long as
-# `__call__` is theirs (a subclass with its own may mix rows).
-_SPLITTABLE_INITIALIZERS = (
-    initializers.RandomNormal,
-    initializers.RandomUniform,
-    initializers.TruncatedNormal,
-    initializers.VarianceScaling,
-    initializers.Zeros,
-    initializers.Ones,
-    initializers.Constant,
-)
 _FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
 _logged_fallbacks = set()
 logger = logging.getLogger(__name__)
@@ -143,13 +131,26 @@ def _why_not_splittable(initializer, shape, dtype, layout):
 
 def _splits_into_rows(initializer):
     """Whether `initializer` computes each row of its value independently."""
+    # Imported here: the backend's modules load before the initializers.
+    from keras.src import initializers
+
     if isinstance(initializer, initializers.Constant):
         # Keras documents a scalar; an array would not split into rows.
         return (
             type(initializer).__call__ is initializers.Constant.__call__
             and np.ndim(initializer.value) == 0
         )
-    for base in _SPLITTABLE_INITIALIZERS:
+    # Initializer classes whose values split into rows exactly, as long as
+    # `__call__` is theirs (a subclass with its own may mix rows).
+    splittable = (
+        initializers.RandomNormal,
+        initializers.RandomUniform,
+        initializers.TruncatedNormal,
+        initializers.VarianceScaling,
+        initializers.Zeros,
+        initializers.Ones,
+    )
+    for base in splittable:
         if isinstance(initializer, base):
             return type(initializer).__call__ is base.__call__
     return False
