@@ -242,6 +242,21 @@ def edit_variable_initialize_shard_by_shard(core):
     core.Variable._initialize_with_initializer = _initialize_with_initializer
 
 
+def edit_variable_skips_upstream_distribution(core):
+    """A later keras's `Variable` distributes itself through upstream's
+    own layouts (`_initialize_distributed`); the variable edits here
+    replace that path as a whole, so upstream's finds nothing to do.
+    Keras 3.15.1 has no such path: nothing to edit there."""
+    if not hasattr(core.Variable, "_initialize_distributed"):
+        return
+
+    def _initialize_distributed(self, initializer):
+        del initializer
+        return None
+
+    core.Variable._initialize_distributed = _initialize_distributed
+
+
 def edit_variable_assign(core):
     """Every assignment to a distributed variable keeps its layout."""
     from torch.distributed.tensor import DTensor
@@ -655,8 +670,12 @@ def edit_trainer_names_failed_calls(trainer_module):
 
 # Names that a later keras renamed, per module: the name the overlay and
 # the edits use (keras 3.15.1's) -> the name in that keras.
+# A dotted name is an attribute of a class of the module.
 RENAMED_NAMES = {
-    "keras.src.backend.torch.trainer": {"TorchTrainer": "Trainer"},
+    "keras.src.backend.torch.trainer": {
+        "TorchTrainer": "Trainer",
+        "TorchTrainer._should_torch_compile": "_use_torch_compile",
+    },
     "keras.src.trainers.trainer": {"Trainer": "BaseTrainer"},
 }
 
@@ -664,8 +683,35 @@ RENAMED_NAMES = {
 def edit_renamed_names(module):
     """Gives `module` its keras 3.15.1 names that a later keras renamed."""
     for old, new in RENAMED_NAMES.get(module.__name__, {}).items():
-        if not hasattr(module, old) and hasattr(module, new):
-            setattr(module, old, getattr(module, new))
+        *owners, name = old.split(".")
+        owner = module
+        for part in owners:
+            owner = getattr(owner, part, None)
+        if owner is None or name in vars(owner):
+            continue
+        if hasattr(owner, new):
+            setattr(owner, name, getattr(owner, new))
+
+
+def edit_trainer_skips_ddp_under_distribution(trainer_module):
+    """A later keras wraps the model in DDP when a process group exists:
+    under a distribution the distributed step (`distributed_trainer`)
+    replaces that path as a whole, so no DDP is built. Without one,
+    upstream's DDP runs as upstream wrote it. Keras 3.15.1 has no such
+    path: nothing to edit there."""
+    trainer_class = trainer_module.TorchTrainer
+    upstream = getattr(trainer_class, "_initialize_ddp", None)
+    if upstream is None:
+        return
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    def _initialize_ddp(self):
+        if keras_distribution.distribution() is not None:
+            return
+        return upstream(self)
+
+    _initialize_ddp.__doc__ = upstream.__doc__
+    trainer_class._initialize_ddp = _initialize_ddp
 
 
 # Upstream module name -> edits to apply once it has executed. Values are
@@ -673,6 +719,7 @@ def edit_renamed_names(module):
 POST_IMPORT_EDITS = {
     "keras.src.backend.torch.core": lambda: [
         check_supported_versions,
+        edit_variable_skips_upstream_distribution,
         edit_variable_initialize,
         edit_variable_initialize_shard_by_shard,
         edit_variable_assign,
@@ -688,6 +735,7 @@ POST_IMPORT_EDITS = {
     ],
     "keras.src.backend.torch.trainer": lambda: [
         edit_renamed_names,
+        edit_trainer_skips_ddp_under_distribution,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],

@@ -328,3 +328,62 @@ def test_renamed_names_get_their_old_names_back():
     both.Trainer, both.BaseTrainer = object, int
     _edits.edit_renamed_names(both)
     assert both.Trainer is object
+
+
+def test_renamed_methods_get_their_old_names_back():
+    import types
+
+    from keras_dtensor import _edits
+
+    trainer = types.ModuleType("keras.src.backend.torch.trainer")
+
+    class Trainer:
+        def _use_torch_compile(self):
+            return "compiled?"
+
+    trainer.Trainer = Trainer
+    _edits.edit_renamed_names(trainer)
+    assert trainer.TorchTrainer is Trainer
+    assert Trainer()._should_torch_compile() == "compiled?"
+
+
+def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
+    """A later keras's own DDP wrapping and Variable distribution give way
+    to this project's under a distribution; keras 3.15.1 has neither, and
+    the edits leave its classes as they are."""
+    import types
+
+    from keras.src.distribution import distribution_lib as keras_distribution
+    from keras_dtensor import _edits
+
+    built = []
+
+    class Trainer:
+        def _initialize_ddp(self):
+            built.append("ddp")
+
+    class Variable:
+        def _initialize_distributed(self, initializer):
+            return "upstream's"
+
+    trainer = types.ModuleType("trainer")
+    trainer.TorchTrainer = Trainer
+    core = types.ModuleType("core")
+    core.Variable = Variable
+    _edits.edit_trainer_skips_ddp_under_distribution(trainer)
+    _edits.edit_variable_skips_upstream_distribution(core)
+    assert Variable()._initialize_distributed(None) is None
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
+    Trainer()._initialize_ddp()
+    assert built == ["ddp"]
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
+    Trainer()._initialize_ddp()
+    assert built == ["ddp"]
+    # Keras 3.15.1's classes have no such methods: nothing is added.
+    plain = types.ModuleType("plain")
+    plain.TorchTrainer = type("TorchTrainer", (), {})
+    plain.Variable = type("Variable", (), {})
+    _edits.edit_trainer_skips_ddp_under_distribution(plain)
+    _edits.edit_variable_skips_upstream_distribution(plain)
+    assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
+    assert not hasattr(plain.Variable, "_initialize_distributed")
