@@ -149,7 +149,7 @@ def call_layer(layer, upstream_call, args, kwargs):
         leaves = []
         # A sublayer takes `training` from its caller's call context.
         context = global_state.get_global_attribute("current_call_ctx")
-        training = None if context is None else context.training
+        training = None if context is None else context.get_value("training")
         signature = _signature((args, kwargs, training), leaves)
         placements = _batch_placements(leaves, mode.mesh)
     except _NotLocal:
