@@ -714,6 +714,27 @@ def edit_trainer_skips_ddp_under_distribution(trainer_module):
     trainer_class._initialize_ddp = _initialize_ddp
 
 
+def edit_trainer_metrics_not_reduced_under_distribution(trainer_module):
+    """A later keras's torch trainer all-reduces the metric variables over
+    the processes in `get_metrics_result` (for DDP); under a distribution
+    they are DTensors holding the global values already, so the base
+    trainer's `get_metrics_result` (with `edit_metrics_result_in_step_context`)
+    replaces it. Keras 3.15.1's torch trainer has no such override."""
+    trainer_class = trainer_module.TorchTrainer
+    upstream = vars(trainer_class).get("get_metrics_result")
+    if upstream is None:
+        return
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    def get_metrics_result(self):
+        if keras_distribution.distribution() is not None:
+            return super(trainer_class, self).get_metrics_result()
+        return upstream(self)
+
+    get_metrics_result.__doc__ = upstream.__doc__
+    trainer_class.get_metrics_result = get_metrics_result
+
+
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -736,6 +757,7 @@ POST_IMPORT_EDITS = {
     "keras.src.backend.torch.trainer": lambda: [
         edit_renamed_names,
         edit_trainer_skips_ddp_under_distribution,
+        edit_trainer_metrics_not_reduced_under_distribution,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],

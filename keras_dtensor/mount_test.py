@@ -358,9 +358,16 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
 
     built = []
 
-    class Trainer:
+    class BaseTrainer:
+        def get_metrics_result(self):
+            return "global"
+
+    class Trainer(BaseTrainer):
         def _initialize_ddp(self):
             built.append("ddp")
+
+        def get_metrics_result(self):
+            return "reduced over processes"
 
     class Variable:
         def _initialize_distributed(self, initializer):
@@ -371,19 +378,24 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     core = types.ModuleType("core")
     core.Variable = Variable
     _edits.edit_trainer_skips_ddp_under_distribution(trainer)
+    _edits.edit_trainer_metrics_not_reduced_under_distribution(trainer)
     _edits.edit_variable_skips_upstream_distribution(core)
     assert Variable()._initialize_distributed(None) is None
     monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
     Trainer()._initialize_ddp()
     assert built == ["ddp"]
+    assert Trainer().get_metrics_result() == "reduced over processes"
     monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
     Trainer()._initialize_ddp()
     assert built == ["ddp"]
+    assert Trainer().get_metrics_result() == "global"
     # Keras 3.15.1's classes have no such methods: nothing is added.
     plain = types.ModuleType("plain")
     plain.TorchTrainer = type("TorchTrainer", (), {})
     plain.Variable = type("Variable", (), {})
     _edits.edit_trainer_skips_ddp_under_distribution(plain)
+    _edits.edit_trainer_metrics_not_reduced_under_distribution(plain)
     _edits.edit_variable_skips_upstream_distribution(plain)
     assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
+    assert "get_metrics_result" not in vars(plain.TorchTrainer)
     assert not hasattr(plain.Variable, "_initialize_distributed")
