@@ -488,7 +488,9 @@ def edit_data_adapter_auto_shard(data_adapters):
 
     Upstream only auto-shards `tf.data` datasets. On torch, every process
     iterates the same global batches and keeps its own slice of each when
-    the batch is distributed, so any adapter can be used as is.
+    the batch is distributed, so any adapter can be used as is: it is
+    created as without auto-sharding (a later keras's adapters would
+    otherwise split the data between processes themselves).
     """
     if not _is_torch_backend():
         return
@@ -501,11 +503,14 @@ def edit_data_adapter_auto_shard(data_adapters):
         if distribution is None or data_adapters.is_tf_dataset(x):
             return upstream_get_data_adapter(x, *args, **kwargs)
         multi_process = distribution._is_multi_process
+        auto_shard = distribution.auto_shard_dataset
         distribution._is_multi_process = False
+        distribution.auto_shard_dataset = False
         try:
             return upstream_get_data_adapter(x, *args, **kwargs)
         finally:
             distribution._is_multi_process = multi_process
+            distribution.auto_shard_dataset = auto_shard
 
     data_adapters.get_data_adapter = get_data_adapter
 

@@ -399,3 +399,36 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
     assert "get_metrics_result" not in vars(plain.TorchTrainer)
     assert not hasattr(plain.Variable, "_initialize_distributed")
+
+
+def test_adapters_are_created_without_auto_sharding():
+    """Every process iterates the global batches: an adapter is created as
+    without auto-sharding (a later keras's adapters would split the data
+    between processes themselves), and the distribution is restored."""
+    import types
+
+    from keras.src.distribution import distribution_lib as api
+    from keras_dtensor import _edits
+
+    seen = []
+
+    def get_data_adapter(x):
+        current = api.distribution()
+        seen.append((current._is_multi_process, current.auto_shard_dataset))
+        return "adapter"
+
+    module = types.ModuleType("data_adapters")
+    module.get_data_adapter = get_data_adapter
+    module.is_tf_dataset = lambda x: False
+    _edits.edit_data_adapter_auto_shard(module)
+    mesh = api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+    distribution = api.DataParallel(device_mesh=mesh)
+    distribution._is_multi_process = True
+    api.set_distribution(distribution)
+    try:
+        assert module.get_data_adapter([1.0]) == "adapter"
+    finally:
+        api.set_distribution(None)
+    assert seen == [(False, False)]
+    assert distribution._is_multi_process is True
+    assert distribution.auto_shard_dataset is True
