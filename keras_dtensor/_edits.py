@@ -740,6 +740,37 @@ def edit_trainer_metrics_not_reduced_under_distribution(trainer_module):
     trainer_class.get_metrics_result = get_metrics_result
 
 
+def edit_trainer_batches_stay_global(trainer_module):
+    """A later keras's torch trainer distributes the batches of a
+    `ModelParallel` itself (`_distribute_data`, each process's batch taken
+    as its shard) and hands each process the predictions of its own rows
+    (`_gather_non_batch_axes`). Under a distribution here, the distributed
+    step distributes the batch on entry, and `predict` returns the global
+    predictions on every process, as with keras 3.15.1: the batches reach
+    the step as tensors, as upstream passes them without a `ModelParallel`,
+    and the step's outputs stay as they are. Keras 3.15.1 has neither
+    function."""
+    upstream_distribute = getattr(trainer_module, "_distribute_data", None)
+    if upstream_distribute is None:
+        return
+    from keras.src import tree
+    from keras.src.backend.torch.core import convert_to_tensor
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    def _distribute_data(data, layouts=None):
+        if keras_distribution.distribution() is None:
+            return upstream_distribute(data, layouts)
+        return tree.map_structure(
+            lambda x: None if x is None else convert_to_tensor(x), data
+        )
+
+    def _gather_non_batch_axes(data):
+        return data
+
+    trainer_module._distribute_data = _distribute_data
+    trainer_module._gather_non_batch_axes = _gather_non_batch_axes
+
+
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -763,6 +794,7 @@ POST_IMPORT_EDITS = {
         edit_renamed_names,
         edit_trainer_skips_ddp_under_distribution,
         edit_trainer_metrics_not_reduced_under_distribution,
+        edit_trainer_batches_stay_global,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],

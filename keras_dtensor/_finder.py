@@ -27,8 +27,10 @@ OVERLAY_PACKAGE = "keras.src"
 TORCH_OVERLAY_PACKAGE = "keras.src.backend.torch"
 
 # Upstream modules that a later keras moved: the name the overlay imports
-# (keras 3.15.1's) -> the name in that keras. The old name is served as
-# the moved module only where the installed keras lacks it.
+# (keras 3.15.1's) -> the name in that keras. Where the installed keras
+# lacks the old name, the moved module gets the old name's edits when it
+# executes (before its package re-exports its names), and the old name is
+# served as the moved module.
 MOVED_MODULES = {
     "keras.src.backend.torch.core": "keras.src.backend.torch.ops.core",
 }
@@ -43,6 +45,14 @@ def overlay_root():
     ):
         if os.path.isdir(os.path.join(candidate, "src")):
             return candidate
+    return None
+
+
+def _moved_from(fullname):
+    """The 3.15.1 name of a module a later keras moved to `fullname`."""
+    for old, new in MOVED_MODULES.items():
+        if new == fullname:
+            return old
     return None
 
 
@@ -66,18 +76,16 @@ class _EditingLoader(importlib.abc.Loader):
 
 
 class _AliasLoader(importlib.abc.Loader):
-    """Loads a module name as another, already importable, module."""
+    """Loads a module name as another, importable, module."""
 
-    def __init__(self, target, edits):
+    def __init__(self, target):
         self._target = target
-        self._edits = edits
 
     def create_module(self, spec):
         return importlib.import_module(self._target)
 
     def exec_module(self, module):
-        for edit in self._edits:
-            edit(module)
+        pass
 
 
 class KerasOverlayFinder(importlib.abc.MetaPathFinder):
@@ -115,14 +123,15 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
             )
         edits_for = self._post_import_edits.get(fullname)
         moved = MOVED_MODULES.get(fullname)
-        if edits_for is None and moved is None:
+        moved_from = _moved_from(fullname)
+        if edits_for is None and moved is None and moved_from is None:
             return None
         spec = self._find_upstream_spec(fullname, path, target)
         if spec is None and moved is not None:
-            edits = edits_for() if edits_for is not None else []
-            return importlib.machinery.ModuleSpec(
-                fullname, _AliasLoader(moved, edits)
-            )
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(moved))
+        if edits_for is None and moved_from is not None:
+            if self._find_upstream_spec(moved_from, None, None) is None:
+                edits_for = self._post_import_edits.get(moved_from)
         if edits_for is None:
             return spec
         if spec is None or spec.loader is None:

@@ -305,6 +305,7 @@ def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):
     import movedpkg.kept
     import movedpkg.ops.core
 
+    # The edits ran when the moved module executed, once.
     assert movedpkg.core is movedpkg.ops.core
     assert movedpkg.core.VALUE == 7
     assert edited == [movedpkg.ops.core]
@@ -432,3 +433,32 @@ def test_adapters_are_created_without_auto_sharding():
     assert seen == [(False, False)]
     assert distribution._is_multi_process is True
     assert distribution.auto_shard_dataset is True
+
+
+def test_later_keras_batches_stay_global(monkeypatch):
+    """Under a distribution, a later keras's own batch distribution and
+    per-process predictions give way to the distributed step's; without
+    one, upstream's run as written."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from keras.src.distribution import distribution_lib as keras_distribution
+    from keras_dtensor import _edits
+
+    trainer = types.ModuleType("trainer")
+    trainer._distribute_data = lambda data, layouts=None: ("upstream", data)
+    trainer._gather_non_batch_axes = lambda data: ("own rows", data)
+    _edits.edit_trainer_batches_stay_global(trainer)
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
+    assert trainer._distribute_data(1) == ("upstream", 1)
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
+    x, _ = trainer._distribute_data((np.ones((2, 3)), None))
+    assert isinstance(x, torch.Tensor) and x.shape == (2, 3)
+    assert trainer._gather_non_batch_axes("outputs") == "outputs"
+    # Keras 3.15.1's trainer module has neither function.
+    plain = types.ModuleType("plain")
+    _edits.edit_trainer_batches_stay_global(plain)
+    assert not hasattr(plain, "_distribute_data")
+    assert not hasattr(plain, "_gather_non_batch_axes")
