@@ -28,6 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import cell  # noqa: E402
 import measure  # noqa: E402
+import run  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import workloads  # noqa: E402
@@ -138,6 +139,9 @@ def parse_args(argv=None):
         parser.add_argument(
             f"--{field}", type=int, default=getattr(defaults, field)
         )
+    parser.add_argument(
+        "--optimizer", default=defaults.optimizer, choices=("sgd", "adamw")
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--tag", default=None)
@@ -149,14 +153,7 @@ def main(argv=None):
     modes = args.modes.split(",")
     if modes != ["single"]:
         keras.distribution.initialize()
-    config = workloads.Config(
-        hidden=args.hidden,
-        layers=args.layers,
-        batch=args.batch,
-        seq=args.seq,
-        heads=args.heads,
-        vocab=args.vocab,
-    )
+    config = run.config_from(args)
     rows = [
         measure_cell(workload, mode, config, args.warmup)
         for mode in modes
