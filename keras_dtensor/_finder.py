@@ -130,7 +130,7 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
         if spec is None and moved is not None:
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(moved))
         if edits_for is None and moved_from is not None:
-            if self._find_upstream_spec(moved_from, None, None) is None:
+            if not self._has_upstream_module(moved_from):
                 edits_for = self._post_import_edits.get(moved_from)
         if edits_for is None:
             return spec
@@ -146,6 +146,15 @@ class KerasOverlayFinder(importlib.abc.MetaPathFinder):
         if check is not None:
             check()
             self._version_check = None
+
+    def _has_upstream_module(self, fullname):
+        """Whether the installed package has `fullname` (its parent is
+        imported: it is the moved module's package or an ancestor)."""
+        parent = sys.modules.get(fullname.rpartition(".")[0])
+        path = getattr(parent, "__path__", None)
+        if path is None:
+            return False
+        return self._find_upstream_spec(fullname, path, None) is not None
 
     def _find_upstream_spec(self, fullname, path, target):
         for finder in sys.meta_path:

@@ -285,6 +285,8 @@ def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):
     (package / "ops" / "__init__.py").write_text("")
     (package / "ops" / "core.py").write_text("VALUE = 7\n")
     (package / "kept.py").write_text("VALUE = 1\n")
+    # A top-level module of the old name's last part is not the old module.
+    (tmp_path / "core.py").write_text("VALUE = 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(
         _finder,
