@@ -23,6 +23,16 @@ def synchronize():
         torch.cuda.synchronize()
 
 
+def cuda_step_peak_bytes(step):
+    """Bytes in use on the GPU at the step's peak, above its start."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
 def barrier():
     """Lines the processes up, when there are several."""
     if dist.is_initialized() and dist.get_world_size() > 1:

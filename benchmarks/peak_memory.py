@@ -70,19 +70,9 @@ def cpu_step_peak_bytes(step):
     return max(total for _, _, total in allocations) - start
 
 
-def cuda_step_peak_bytes(step):
-    """Bytes in use at the step's peak, above its start, on the GPU."""
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
-
-
 def step_peak_bytes(step):
     if torch.cuda.is_available():
-        return cuda_step_peak_bytes(step)
+        return measure.cuda_step_peak_bytes(step)
     return cpu_step_peak_bytes(step)
 
 

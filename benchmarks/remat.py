@@ -168,12 +168,7 @@ def make_batch(args):
 def activation_bytes(step, model):
     """Peak bytes of one step that are not model state, on this rank."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return measure.cuda_step_peak_bytes(step)
     # Garbage of earlier steps (reference cycles) would count as this
     # step's peak whenever the collector has not run yet.
     gc.collect()
