@@ -356,6 +356,9 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     the edits leave its classes as they are."""
     import types
 
+    import numpy as np
+
+    import keras
     from keras.src.distribution import distribution_lib as keras_distribution
     from keras_dtensor import _edits
 
@@ -366,6 +369,8 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
             return "global"
 
     class Trainer(BaseTrainer):
+        variables = ()
+
         def _initialize_ddp(self):
             built.append("ddp")
 
@@ -392,6 +397,13 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     Trainer()._initialize_ddp()
     assert built == ["ddp"]
     assert Trainer().get_metrics_result() == "global"
+    # Nor for a model whose variables are DTensors, without a distribution.
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
+    distributed = Trainer()
+    with keras_distribution.DataParallel(devices=["cpu:0"]).scope():
+        distributed.variables = [keras.Variable(np.ones(2))]
+    distributed._initialize_ddp()
+    assert built == ["ddp"]
     # Keras 3.15.1's classes have no such methods: nothing is added.
     plain = types.ModuleType("plain")
     plain.TorchTrainer = type("TorchTrainer", (), {})
@@ -464,3 +476,46 @@ def test_later_keras_batches_stay_global(monkeypatch):
     _edits.edit_trainer_batches_stay_global(plain)
     assert not hasattr(plain, "_distribute_data")
     assert not hasattr(plain, "_gather_non_batch_axes")
+
+
+def test_train_step_copy_follows_the_installed_keras(monkeypatch):
+    """Where the installed `train_step` is a later keras's with a copy,
+    `distributed_trainer` uses that copy and digest; keras 3.15.1's
+    (in no entry) keeps the copy written for it."""
+    import hashlib
+    import inspect
+    import types
+
+    from keras.src.backend.torch import distributed_trainer
+    from keras_dtensor import _edits
+
+    class Trainer:
+        def train_step(self, data):
+            return "a later keras's step"
+
+    trainer = types.ModuleType("trainer")
+    trainer.TorchTrainer = Trainer
+    source = inspect.getsource(Trainer.train_step)
+    digest = hashlib.sha256(source.encode()).hexdigest()
+
+    def copy(trainer):
+        return "the copy"
+
+    for name in (
+        "train_step_with_detached_predictions",
+        "UPSTREAM_TRAIN_STEP_SHA256",
+    ):
+        monkeypatch.setattr(
+            distributed_trainer, name, getattr(distributed_trainer, name)
+        )
+    written_for_3_15 = distributed_trainer.train_step_with_detached_predictions
+    monkeypatch.setattr(_edits, "LATER_TRAIN_STEP_COPIES", {})
+    _edits.edit_train_step_copy_follows_keras(trainer)
+    assert (
+        distributed_trainer.train_step_with_detached_predictions
+        is written_for_3_15
+    )
+    monkeypatch.setattr(_edits, "LATER_TRAIN_STEP_COPIES", {digest: copy})
+    _edits.edit_train_step_copy_follows_keras(trainer)
+    assert distributed_trainer.train_step_with_detached_predictions is copy
+    assert distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256 == digest

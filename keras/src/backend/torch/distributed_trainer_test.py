@@ -96,7 +96,8 @@ def test_upstream_train_step_is_the_copied_one():
         "its copy, `distributed_trainer.train_step_with_detached_"
         "predictions`, with it (keeping `y_pred` detached before backward "
         "and backward called through `torch.compiler.disable`), then set "
-        f"`UPSTREAM_TRAIN_STEP_SHA256` to {digest!r}."
+        f"`UPSTREAM_TRAIN_STEP_SHA256` to {digest!r}; for a later keras, "
+        "add a copy to `keras_dtensor._edits.LATER_TRAIN_STEP_COPIES`."
     )
 
 
@@ -178,12 +179,15 @@ def test_step_on_data_keeps_a_models_own_train_step(distribution):
     assert calls == ["batch"]
 
 
-def test_detached_train_step_matches_upstream(distribution):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_detached_train_step_matches_upstream(distribution, jit_compile):
+    """Eager calls of both; with `jit_compile=True` a later keras computes
+    the gradients with `torch.autograd.grad` rather than backward."""
     x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
     y = np.arange(8) % 3
     results = []
     for detached in (False, True):
-        model = make_model(jit_compile=False)
+        model = make_model(jit_compile=jit_compile)
         if detached:
             step = distributed_trainer.train_step_with_detached_predictions(
                 model
