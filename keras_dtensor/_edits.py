@@ -783,6 +783,29 @@ def edit_trainer_batches_stay_global(trainer_module):
     trainer_module._gather_non_batch_axes = _gather_non_batch_axes
 
 
+def edit_epoch_iterator_keeps_torch_dataloader(trainer_module):
+    """A later keras's `TorchEpochIterator` iterates a `ModelParallel`'s
+    data through the adapter's numpy iterator (`_get_distributed_iterator`),
+    whose shuffling draws another order than the torch `DataLoader` of
+    every other case. Under a distribution here, the batches come from
+    the `DataLoader`, as with keras 3.15.1 and without a distribution, so
+    a seeded `fit` sees the same batches with and without one. Keras
+    3.15.1's iterator has no such path: nothing to edit there."""
+    iterator_class = getattr(trainer_module, "TorchEpochIterator", None)
+    if not hasattr(iterator_class, "_get_distributed_iterator"):
+        return
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    upstream = iterator_class._get_iterator
+
+    def _get_iterator(self):
+        if keras_distribution.distribution() is None:
+            return upstream(self)
+        return self.data_adapter.get_torch_dataloader()
+
+    iterator_class._get_iterator = _get_iterator
+
+
 def train_step_copy_3_16_dev(trainer):
     """keras-nightly 3.16.0.dev2026102704's `train_step` for `trainer`,
     with `y_pred` detached before the gradients and the gradients computed
@@ -930,6 +953,7 @@ POST_IMPORT_EDITS = {
         edit_trainer_skips_ddp_under_distribution,
         edit_trainer_metrics_not_reduced_under_distribution,
         edit_trainer_batches_stay_global,
+        edit_epoch_iterator_keeps_torch_dataloader,
         edit_train_step_copy_follows_keras,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,

@@ -519,3 +519,42 @@ def test_train_step_copy_follows_the_installed_keras(monkeypatch):
     _edits.edit_train_step_copy_follows_keras(trainer)
     assert distributed_trainer.train_step_with_detached_predictions is copy
     assert distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256 == digest
+
+
+def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
+    """Under a distribution, a later keras's numpy iteration of a
+    `ModelParallel`'s data gives way to the torch `DataLoader`; without
+    one, and on keras 3.15.1's iterator, upstream's runs."""
+    import types
+
+    from keras.src.distribution import distribution_lib as keras_distribution
+    from keras_dtensor import _edits
+
+    class Adapter:
+        def get_torch_dataloader(self):
+            return "dataloader"
+
+    class TorchEpochIterator:
+        data_adapter = Adapter()
+
+        def _get_iterator(self):
+            return "numpy iterator"
+
+        def _get_distributed_iterator(self, distribution):
+            return "numpy iterator"
+
+    trainer = types.ModuleType("trainer")
+    trainer.TorchEpochIterator = TorchEpochIterator
+    _edits.edit_epoch_iterator_keeps_torch_dataloader(trainer)
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
+    assert TorchEpochIterator()._get_iterator() == "numpy iterator"
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
+    assert TorchEpochIterator()._get_iterator() == "dataloader"
+    # Keras 3.15.1's iterator has no distributed path: it is kept.
+    plain = types.ModuleType("plain")
+    plain.TorchEpochIterator = type(
+        "TorchEpochIterator", (), {"_get_iterator": lambda self: "upstream"}
+    )
+    upstream = plain.TorchEpochIterator._get_iterator
+    _edits.edit_epoch_iterator_keeps_torch_dataloader(plain)
+    assert plain.TorchEpochIterator._get_iterator is upstream

@@ -17,6 +17,7 @@ from keras.src import models
 from keras.src import optimizers
 from keras.src import testing
 from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch.core import convert_to_numpy
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.utils import rng_utils
 
@@ -149,7 +150,7 @@ class SingleProcessDistributionTest(testing.TestCase):
         self.assertIsInstance(variable.value, DTensor)
         self.assertAllClose(variable.numpy(), np.ones((2, 3)))
         self.assertAllClose(
-            backend.convert_to_numpy([variable.value, variable.value]),
+            convert_to_numpy([variable.value, variable.value]),
             np.ones((2, 2, 3)),
         )
 
