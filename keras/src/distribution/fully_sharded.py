@@ -33,6 +33,7 @@ import logging
 import math
 import re
 
+from keras.src.api_export import keras_export
 from keras.src.distribution import layout_composition
 from keras.src.distribution import layout_validation
 
@@ -41,6 +42,7 @@ DEFAULT_MIN_SIZE = 2**14
 logger = logging.getLogger(__name__)
 
 
+@keras_export("keras.distribution.fully_sharded_layouts")
 def fully_sharded_layouts(
     model,
     device_mesh=None,

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 
+from keras.src.api_export import keras_export
 from keras.src.distribution.distribution_lib import DeviceMesh
 from keras.src.distribution.distribution_lib import LayoutMap
 from keras.src.distribution.distribution_lib import TensorLayout
@@ -27,6 +28,7 @@ from keras.src.distribution.layout_validation import mesh_text
 from keras.src.distribution.layout_validation import normalize_axes
 
 
+@keras_export("keras.distribution.make_device_mesh")
 def make_device_mesh(axis_sizes, devices=None):
     """Creates a `DeviceMesh` from a dict of axis names to sizes.
 
@@ -203,6 +205,7 @@ def resolve_layout(layout_map, path, shape=None, kind="variable"):
     return normalize_axes(layout_map[keys[0]])
 
 
+@keras_export("keras.distribution.check_layouts")
 def check_layouts(model, layout_map):
     """Checks every variable and layer output of a model against a map.
 
@@ -276,6 +279,7 @@ def tensor_layout(axes, device_mesh):
     return layout
 
 
+@keras_export("keras.distribution.layout_map_axes")
 def layout_map_axes(layout_map):
     """Returns a plain dict from each key of a `LayoutMap` to its axes.
 
@@ -326,6 +330,7 @@ def combine_axes(axes, other):
     return tuple(combined)
 
 
+@keras_export("keras.distribution.merge_layouts")
 def merge_layouts(model, *layout_maps):
     """Merges `LayoutMap`s into one, checking every variable of a model.
 

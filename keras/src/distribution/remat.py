@@ -13,11 +13,13 @@ Nothing here depends on a backend.
 
 import re
 
+from keras.src.api_export import keras_export
 from keras.src.backend.common.remat import RematScope
 from keras.src.backend.common.remat import get_current_remat_mode
 from keras.src.distribution import layout_composition
 
 
+@keras_export("keras.distribution.remat_layers")
 def remat_layers(model, patterns):
     """Recomputes the activations of the layers whose path matches.
 

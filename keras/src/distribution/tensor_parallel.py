@@ -29,6 +29,7 @@ import collections
 import functools
 import re
 
+from keras.src.api_export import keras_export
 from keras.src.distribution import layout_composition
 from keras.src.distribution.layout_composition import layer_path
 from keras.src.layers.core.dense import Dense
@@ -43,6 +44,7 @@ _EinsumSpec = collections.namedtuple(
 )
 
 
+@keras_export("keras.distribution.column_parallel")
 def column_parallel(axis="model", *, gather_output=False):
     """Returns a style that splits a layer's output features over `axis`.
 
@@ -69,6 +71,7 @@ def column_parallel(axis="model", *, gather_output=False):
     )
 
 
+@keras_export("keras.distribution.row_parallel")
 def row_parallel(axis="model"):
     """Returns a style that splits a layer's input features over `axis`.
 
@@ -89,6 +92,7 @@ def row_parallel(axis="model"):
     return functools.partial(row_parallel_layouts, axis=axis)
 
 
+@keras_export("keras.distribution.prepare_output")
 def prepare_output(axes):
     """Returns a style that sets a layer's output layout, and nothing else.
 
@@ -104,6 +108,7 @@ def prepare_output(axes):
     return functools.partial(output_layouts, axes=tuple(axes))
 
 
+@keras_export("keras.distribution.prepare_input")
 def prepare_input(axes):
     """Returns a style that sets the layout of a layer's inputs.
 
@@ -125,6 +130,7 @@ def prepare_input(axes):
     return functools.partial(input_layouts, axes=tuple(axes))
 
 
+@keras_export("keras.distribution.tensor_parallel_layouts")
 def tensor_parallel_layouts(model, device_mesh, plan, *, batch_dim_name=None):
     """Applies a tensor-parallel plan to a model and returns a `LayoutMap`.
 
