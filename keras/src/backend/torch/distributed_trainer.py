@@ -58,6 +58,9 @@ and of the step itself, on the thread that runs the step; building a step
 function issues none.
 """
 
+import functools
+import hashlib
+import inspect
 import warnings
 
 import torch
@@ -71,9 +74,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 STEP_KINDS = ("train", "test", "predict")
 
-# SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in the keras
-# release that `train_step_with_detached_predictions` was copied from.
-# `distributed_trainer_test` fails when the installed source differs.
+# SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in keras 3.15.1,
+# whose copy is `TRAIN_STEP_COPIES`' first entry and the one used where the
+# installed source has none (`distributed_trainer_test` fails there).
 UPSTREAM_TRAIN_STEP_SHA256 = (
     "a638d4455d8fced660adaffa6b4240ed0c28f8bd1832684b245466ba7f1694d0"
 )
@@ -188,14 +191,14 @@ def _overrides_train_step(trainer):
 
 def train_step_with_detached_predictions(trainer):
     """`TorchTrainer.train_step` for `trainer`, with `y_pred` detached
-    before backward and backward run outside Dynamo.
+    before the gradients and the gradients computed outside Dynamo.
 
-    This copies upstream's `train_step` (see `UPSTREAM_TRAIN_STEP_SHA256`)
-    with two lines changed: no narrower edit can change them, since both
-    act on local variables of that one function (`y_pred` between the loss
-    and backward, and `loss.backward()`). The computation is upstream's,
-    step for step: the metrics read the same predictions, without their
-    autograd history.
+    It is the copy, in `TRAIN_STEP_COPIES`, of the installed keras's
+    `train_step`, with two lines changed: no narrower edit can change them,
+    since both act on local variables of that one function (`y_pred`
+    between the loss and the gradients, and `loss.backward()`). The
+    computation is upstream's, step for step: the metrics read the same
+    predictions, without their autograd history.
 
     Args:
         trainer: the `TorchTrainer`.
@@ -203,6 +206,26 @@ def train_step_with_detached_predictions(trainer):
     Returns:
         A function of the unpacked batch, as `trainer.train_step`.
     """
+    copy = TRAIN_STEP_COPIES.get(installed_train_step_sha256())
+    if copy is None:
+        copy = TRAIN_STEP_COPIES[UPSTREAM_TRAIN_STEP_SHA256]
+    return copy(trainer)
+
+
+@functools.cache
+def installed_train_step_sha256():
+    """SHA-256 of the installed keras's `TorchTrainer.train_step` source."""
+    # Imported here: `trainer.py` imports this module.
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    source = inspect.getsource(TorchTrainer.train_step)
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def train_step_copy_3_15(trainer):
+    """Keras 3.15.1's `train_step` for `trainer`, `y_pred` detached before
+    backward and `loss.backward()` called through
+    `torch.compiler.disable`."""
     backward = torch.compiler.disable(torch.Tensor.backward)
 
     def train_step(data):
@@ -235,6 +258,86 @@ def train_step_with_detached_predictions(trainer):
         )
 
     return train_step
+
+
+def train_step_copy_3_16_dev(trainer):
+    """keras-nightly 3.16.0.dev2026102704's `train_step` for `trainer`,
+    `y_pred` detached after the loss, and `loss.backward()` and
+    `torch.autograd.grad` (which that keras calls for a compiled step
+    without DDP) called through `torch.compiler.disable`."""
+    backward = torch.compiler.disable(torch.Tensor.backward)
+    grad = torch.compiler.disable(torch.autograd.grad)
+
+    def train_step(data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        model = trainer.ddp_model or trainer
+        if trainer._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        model.zero_grad()
+        loss = trainer._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        trainer._loss_tracker.update_state(
+            loss.detach() if isinstance(loss, torch.Tensor) else loss,
+            sample_weight=(
+                x.shape[0]
+                if isinstance(x, torch.Tensor)
+                else next(i for i in tree.flatten(x) if i is not None).shape[0]
+            ),
+        )
+        if trainer.optimizer is not None:
+            loss = trainer.optimizer.scale_loss(loss)
+        y_pred = _pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.detach, y_pred
+        )
+        if trainer.trainable_weights:
+            trainable_weights = trainer.trainable_weights[:]
+            if (
+                not trainer.run_eagerly
+                and trainer.jit_compile
+                and trainer.ddp_model is None
+            ):
+                trainable_tensors = [v.value for v in trainable_weights]
+                if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+                    gradients = [None] * len(trainable_weights)
+                elif all(t.requires_grad for t in trainable_tensors):
+                    gradients = grad(loss, trainable_tensors, allow_unused=True)
+                else:
+                    inputs = [t for t in trainable_tensors if t.requires_grad]
+                    grads = (
+                        iter(grad(loss, inputs, allow_unused=True))
+                        if inputs
+                        else iter(())
+                    )
+                    gradients = [
+                        next(grads) if t.requires_grad else None
+                        for t in trainable_tensors
+                    ]
+            else:
+                backward(loss)
+                gradients = [v.value.grad for v in trainable_weights]
+            with torch.no_grad():
+                trainer.optimizer.apply(gradients, trainable_weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return trainer.compute_metrics(
+            x, y, y_pred, sample_weight=sample_weight
+        )
+
+    return train_step
+
+
+# SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in each keras this
+# supports -> the copy of that `train_step`.
+TRAIN_STEP_COPIES = {
+    UPSTREAM_TRAIN_STEP_SHA256: train_step_copy_3_15,
+    # keras-nightly 3.16.0.dev2026102704
+    "5a70c2e70526d53a0b29bbf487867753220ef5b64144102f1f9d437d4f0e63e0": (
+        train_step_copy_3_16_dev
+    ),
+}
 
 
 def compile_step_function(step_fn):

@@ -88,17 +88,29 @@ def is_compiled_for_distribution(function):
     )
 
 
-def test_upstream_train_step_is_the_copied_one():
+def test_upstream_train_step_is_a_copied_one():
     source = inspect.getsource(TorchTrainer.train_step)
     digest = hashlib.sha256(source.encode()).hexdigest()
-    assert digest == distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256, (
-        "The installed keras changed `TorchTrainer.train_step`. Re-sync "
-        "its copy, `distributed_trainer.train_step_with_detached_"
-        "predictions`, with it (keeping `y_pred` detached before backward "
-        "and backward called through `torch.compiler.disable`), then set "
-        f"`UPSTREAM_TRAIN_STEP_SHA256` to {digest!r}; for a later keras, "
-        "add a copy to `keras_dtensor._edits.LATER_TRAIN_STEP_COPIES`."
+    assert digest == distributed_trainer.installed_train_step_sha256()
+    assert digest in distributed_trainer.TRAIN_STEP_COPIES, (
+        "The installed keras changed `TorchTrainer.train_step`. Copy it "
+        "into `distributed_trainer` (keeping `y_pred` detached before the "
+        "gradients and backward called through `torch.compiler.disable`), "
+        f"and add the copy to `TRAIN_STEP_COPIES` under {digest!r}."
     )
+
+
+def test_the_installed_train_steps_copy_is_used(monkeypatch):
+    digest = distributed_trainer.installed_train_step_sha256()
+    calls = []
+
+    def copy(trainer):
+        calls.append(trainer)
+        return "the copy's step"
+
+    monkeypatch.setitem(distributed_trainer.TRAIN_STEP_COPIES, digest, copy)
+    step = distributed_trainer.train_step_with_detached_predictions("model")
+    assert step == "the copy's step" and calls == ["model"]
 
 
 def test_without_distribution_step_functions_are_upstream():
