@@ -16,6 +16,11 @@
 # 4. pytest runs, in the patched tree, every `*_test.py` the series added:
 #    the torch backend's distribution tests and this project's unit tests,
 #    at their in-tree paths (or PYTEST_ARGS instead).
+# 5. Without PYTEST_ARGS, the multi-process parity tests of this checkout
+#    (integration_tests/training_parity_test.py and the README example
+#    test) then run with the patched tree as their keras: gloo processes
+#    that train as one process does, with no mount. The README's
+#    `import keras_dtensor as kd` reaches `keras.distribution` there.
 #
 # Environment:
 #   UPSTREAM_WORK     work folder (default: ${TMPDIR:-/tmp}/keras-upstream)
@@ -144,8 +149,30 @@ run_tests() {
         -p no:randomly -o addopts="" -W ignore "${tests[@]}")
 }
 
+# Runs this checkout's multi-process parity tests on the patched keras.
+# The README example imports the layout helpers as `keras_dtensor`; in-tree
+# they are `keras.distribution.*` (the last patch), so a one-line module of
+# that name re-exports `keras.distribution` (it arms no mount).
+run_parity_tests() {
+    local names=$WORK/in_tree_names
+    mkdir -p "$names"
+    printf '%s\n' \
+        '"""keras-dtensor'"'"'s public names, in-tree: keras.distribution."""' \
+        'from keras.distribution import *  # noqa: F403' \
+        >"$names/keras_dtensor.py"
+    say "running the parity tests with $WORK/tree as keras"
+    (cd "$REPO" && PYTHONPATH="$WORK/tree:$names" KERAS_BACKEND=torch \
+        OMP_NUM_THREADS=1 timeout "$TIMEOUT" "$VENV/bin/python" -m pytest \
+        -q -p no:cacheprovider -p no:randomly -W ignore \
+        integration_tests/training_parity_test.py \
+        "integration_tests/layout_helpers_test.py::test_readme_example_runs_as_written")
+}
+
 wheel=$(fetch_base)
 make_tree "$wheel"
 apply_series
 make_venv "$wheel"
 run_tests "$@"
+if [ $# -eq 0 ]; then
+    run_parity_tests
+fi
