@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
 
 from keras.src import tree
+from keras.src.backend.common import KerasVariable
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import batch_distribution
 from keras.src.backend.torch import batch_local
@@ -68,6 +69,7 @@ from keras.src.backend.torch.batch_distribution import distribute_data  # noqa: 
 from keras.src.backend.torch.batch_distribution import distribute_global_batch  # noqa: F401
 from keras.src.backend.torch.collectives import all_gather  # noqa: F401
 from keras.src.backend.torch.collectives import all_reduce  # noqa: F401
+from keras.src.backend.torch.core import convert_to_tensor
 from keras.src.backend.torch.core import to_torch_dtype
 from keras.src.backend.torch.created_tensors import replicate_created_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicating_created_tensors  # noqa: F401
@@ -207,8 +209,11 @@ def _to_backend_layout(tensor_layout):
         tensor_layout: `TensorLayout` instance to convert.
 
     Returns:
-        A `DTensorLayout` (torch mesh, placements, axes, Keras mesh).
+        A `DTensorLayout` (torch mesh, placements, axes, Keras mesh), or
+        None for no layout.
     """
+    if tensor_layout is None:
+        return None
     device_mesh = tensor_layout.device_mesh
     if device_mesh is None:
         raise ValueError(
@@ -327,7 +332,7 @@ def distribute_tensor(tensor, layout):
     model construction is never affected. A DTensor is redistributed to the
     layout, and, as with JAX's sharding constraints, so is its gradient in
     the backward pass; a plain tensor or numpy array is taken as the full
-    value held by process 0.
+    value held by process 0. A Keras variable is distributed as its value.
 
     Args:
         tensor: a tensor or a nested structure of tensors.
@@ -342,6 +347,8 @@ def distribute_tensor(tensor, layout):
     batch_local.note_effect()
 
     def distribute_one(x):
+        if isinstance(x, KerasVariable):
+            x = x.value
         if isinstance(x, np.ndarray):
             x = batch_distribution.to_device_tensor(x, layout.mesh)
         if isinstance(x, KerasTensor) or not isinstance(x, torch.Tensor):
@@ -400,7 +407,10 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
 
     Args:
         per_process_batch: tensor or array, this process's part of the batch.
-        layout: `TensorLayout` or `DTensorLayout` for the global batch.
+            A DTensor is the global batch already: it is laid out as
+            `layout` (`distribute_tensor`).
+        layout: `TensorLayout` or `DTensorLayout` for the global batch, or
+            None: the part is returned as a tensor, undistributed.
         batch_dim_name: the mesh axis that splits the batch. Optional, as
             in upstream's two-argument form (keras 3.16): the layout says
             which mesh axes split the batch.
@@ -409,6 +419,10 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
         A DTensor holding the global batch.
     """
     del batch_dim_name  # The layout says which mesh axes split the batch.
+    if layout is None:
+        return convert_to_tensor(per_process_batch)
+    if isinstance(per_process_batch, DTensor):
+        return distribute_tensor(per_process_batch, layout)
     (value,) = batch_distribution.distribute_process_parts(
         [per_process_batch], [layout]
     )

@@ -192,6 +192,28 @@ class SingleProcessDistributionTest(testing.TestCase):
         self.assertEqual(tuple(result.shape), (2, 3))
         self.assertAllClose(result.full_tensor().numpy(), value)
 
+    def test_master_forms_of_layouts_and_inputs(self):
+        """Upstream master's torch module accepts these; so does this one."""
+        self.assertIsNone(distribution_lib._to_backend_layout(None))
+        layout = distribution_api.TensorLayout(("model", None), self.mesh)
+        variable = backend.Variable(np.ones((2, 2)), dtype="float32")
+        result = distribution_lib.distribute_tensor(variable, layout)
+        self.assertIsInstance(result, DTensor)
+        self.assertEqual(tuple(result.placements), (Shard(0),))
+        self.assertAllClose(
+            result.full_tensor().detach().numpy(), np.ones((2, 2))
+        )
+        part = np.arange(4, dtype="float32").reshape(2, 2)
+        plain = distribution_lib.distribute_data_input(part, None)
+        self.assertIsInstance(plain, torch.Tensor)
+        self.assertNotIsInstance(plain, DTensor)
+        self.assertAllClose(plain.numpy(), part)
+        batch = distribution_lib.distribute_data_input(part, layout)
+        self.assertIsInstance(batch, DTensor)
+        self.assertIs(
+            distribution_lib.distribute_data_input(batch, layout), batch
+        )
+
     def test_model_built_before_the_distribution_is_named(self):
         model = models.Sequential(
             [layers.Input((3,)), layers.Dense(2, name="early")]
