@@ -147,9 +147,13 @@ def init_process_group(job_addresses, num_processes, process_id):
                 )
         host, _, port = addresses[0].rpartition(":")
         if not host:
+            # A host alone takes its port from `MASTER_PORT`, as upstream
+            # master's torch backend does.
+            host, port = addresses[0], os.environ.get("MASTER_PORT")
+        if not host or not port:
             raise ValueError(
-                "Expected job addresses as 'host:port'. Received: "
-                f"job_addresses={job_addresses}"
+                "Expected job addresses as 'host:port', or a host with "
+                f"MASTER_PORT set. Received: job_addresses={job_addresses}"
             )
         os.environ["MASTER_ADDR"] = host
         os.environ["MASTER_PORT"] = port

@@ -1,5 +1,6 @@
 """Tests of the process-group set-up that need no second process."""
 
+import os
 from unittest import mock
 
 import pytest
@@ -30,3 +31,21 @@ class LocalDeviceTest(testing.TestCase):
 def test_job_addresses_must_match_num_processes(addresses, num_processes):
     with pytest.raises(ValueError, match="has 3 jobs"):
         process_group.init_process_group(addresses, num_processes, 0)
+
+
+def test_a_host_alone_takes_master_port():
+    calls = []
+    environment = {"MASTER_PORT": "29999", "MASTER_ADDR": "elsewhere"}
+    with mock.patch.dict("os.environ", environment):
+        with mock.patch.object(
+            process_group.dist,
+            "init_process_group",
+            lambda **kwargs: calls.append(kwargs),
+        ):
+            process_group.init_process_group("10.0.0.7", 1, 0)
+            assert os.environ["MASTER_ADDR"] == "10.0.0.7"
+            assert os.environ["MASTER_PORT"] == "29999"
+        assert calls[0]["world_size"] == 1 and calls[0]["rank"] == 0
+    with mock.patch.dict("os.environ", clear=True):
+        with pytest.raises(ValueError, match="or a host with MASTER_PORT"):
+            process_group.init_process_group("10.0.0.7", 1, 0)
