@@ -731,6 +731,29 @@ def edit_trainer_skips_ddp_under_distribution(trainer_module):
     trainer_class._initialize_ddp = _initialize_ddp
 
 
+def edit_trainer_no_ddp_without_distribution(trainer_module):
+    """Without a distribution, a later keras's trainer wraps the model in
+    DDP when a process group exists (`_initialize_ddp`). With this
+    project, keras's data parallelism on torch is `DataParallel`, and
+    without a distribution each process trains on its own, as with keras
+    3.15.1: no DDP is built there either. Runs after
+    `edit_trainer_skips_ddp_under_distribution`. Keras 3.15.1 has no such
+    path: nothing to edit there."""
+    trainer_class = trainer_module.TorchTrainer
+    edited = getattr(trainer_class, "_initialize_ddp", None)
+    if edited is None:
+        return
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    def _initialize_ddp(self):
+        if keras_distribution.distribution() is None:
+            return None
+        return edited(self)
+
+    _initialize_ddp.__doc__ = edited.__doc__
+    trainer_class._initialize_ddp = _initialize_ddp
+
+
 def edit_trainer_metrics_not_reduced_under_distribution(trainer_module):
     """A later keras's torch trainer all-reduces the metric variables over
     the processes in `get_metrics_result` (for DDP); under a distribution
@@ -806,129 +829,6 @@ def edit_epoch_iterator_keeps_torch_dataloader(trainer_module):
     iterator_class._get_iterator = _get_iterator
 
 
-def train_step_copy_3_16_dev(trainer):
-    """keras-nightly 3.16.0.dev2026102704's `train_step` for `trainer`,
-    with `y_pred` detached before the gradients and the gradients computed
-    outside Dynamo.
-
-    What `distributed_trainer.train_step_with_detached_predictions` is to
-    keras 3.15.1's `TorchTrainer.train_step`, for the later keras's: a
-    copy with `y_pred` detached after the loss, and `loss.backward()` and
-    `torch.autograd.grad` (which that keras calls for a compiled step
-    without DDP) called through `torch.compiler.disable`.
-
-    Args:
-        trainer: the `TorchTrainer`.
-
-    Returns:
-        A function of the unpacked batch, as `trainer.train_step`.
-    """
-    import warnings
-
-    import torch
-    from torch.utils import _pytree
-
-    from keras.src import tree
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    backward = torch.compiler.disable(torch.Tensor.backward)
-    grad = torch.compiler.disable(torch.autograd.grad)
-
-    def train_step(data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        model = trainer.ddp_model or trainer
-        if trainer._call_has_training_arg:
-            y_pred = model(x, training=True)
-        else:
-            y_pred = model(x)
-        model.zero_grad()
-        loss = trainer._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        trainer._loss_tracker.update_state(
-            loss.detach() if isinstance(loss, torch.Tensor) else loss,
-            sample_weight=(
-                x.shape[0]
-                if isinstance(x, torch.Tensor)
-                else next(i for i in tree.flatten(x) if i is not None).shape[0]
-            ),
-        )
-        if trainer.optimizer is not None:
-            loss = trainer.optimizer.scale_loss(loss)
-        y_pred = _pytree.tree_map_only(
-            torch.Tensor, torch.Tensor.detach, y_pred
-        )
-        if trainer.trainable_weights:
-            trainable_weights = trainer.trainable_weights[:]
-            if (
-                not trainer.run_eagerly
-                and trainer.jit_compile
-                and trainer.ddp_model is None
-            ):
-                trainable_tensors = [v.value for v in trainable_weights]
-                if isinstance(loss, torch.Tensor) and not loss.requires_grad:
-                    gradients = [None] * len(trainable_weights)
-                elif all(t.requires_grad for t in trainable_tensors):
-                    gradients = grad(loss, trainable_tensors, allow_unused=True)
-                else:
-                    inputs = [t for t in trainable_tensors if t.requires_grad]
-                    grads = (
-                        iter(grad(loss, inputs, allow_unused=True))
-                        if inputs
-                        else iter(())
-                    )
-                    gradients = [
-                        next(grads) if t.requires_grad else None
-                        for t in trainable_tensors
-                    ]
-            else:
-                backward(loss)
-                gradients = [v.value.grad for v in trainable_weights]
-            with torch.no_grad():
-                trainer.optimizer.apply(gradients, trainable_weights)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
-        return trainer.compute_metrics(
-            x, y, y_pred, sample_weight=sample_weight
-        )
-
-    return train_step
-
-
-# SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in a later keras
-# -> the copy of that `train_step` that `distributed_trainer` uses there.
-LATER_TRAIN_STEP_COPIES = {
-    # keras-nightly 3.16.0.dev2026102704
-    "5a70c2e70526d53a0b29bbf487867753220ef5b64144102f1f9d437d4f0e63e0": (
-        train_step_copy_3_16_dev
-    ),
-}
-
-
-def edit_train_step_copy_follows_keras(trainer_module):
-    """The compiled train step copies the installed keras's `train_step`.
-
-    `distributed_trainer.train_step_with_detached_predictions` copies
-    keras 3.15.1's `TorchTrainer.train_step` (`UPSTREAM_TRAIN_STEP_SHA256`
-    is that source's digest). Where the installed `train_step` is one of
-    `LATER_TRAIN_STEP_COPIES`, its copy replaces that function, and the
-    digest is the installed one. Keras 3.15.1's source is in no entry:
-    nothing changes there.
-    """
-    import hashlib
-    import inspect
-
-    source = inspect.getsource(trainer_module.TorchTrainer.train_step)
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    copy = LATER_TRAIN_STEP_COPIES.get(digest)
-    if copy is None:
-        return
-    from keras.src.backend.torch import distributed_trainer
-
-    distributed_trainer.train_step_with_detached_predictions = copy
-    distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256 = digest
-
-
 # Upstream module name -> edits to apply once it has executed. Values are
 # functions so that nothing is looked up before the module is imported.
 POST_IMPORT_EDITS = {
@@ -951,10 +851,10 @@ POST_IMPORT_EDITS = {
     "keras.src.backend.torch.trainer": lambda: [
         edit_renamed_names,
         edit_trainer_skips_ddp_under_distribution,
+        edit_trainer_no_ddp_without_distribution,
         edit_trainer_metrics_not_reduced_under_distribution,
         edit_trainer_batches_stay_global,
         edit_epoch_iterator_keeps_torch_dataloader,
-        edit_train_step_copy_follows_keras,
         edit_trainer_step_functions,
         edit_trainer_names_failed_calls,
     ],

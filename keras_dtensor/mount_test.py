@@ -493,49 +493,6 @@ def test_later_keras_batches_stay_global(monkeypatch):
     assert not hasattr(plain, "_gather_non_batch_axes")
 
 
-def test_train_step_copy_follows_the_installed_keras(monkeypatch):
-    """Where the installed `train_step` is a later keras's with a copy,
-    `distributed_trainer` uses that copy and digest; keras 3.15.1's
-    (in no entry) keeps the copy written for it."""
-    import hashlib
-    import inspect
-    import types
-
-    from keras.src.backend.torch import distributed_trainer
-    from keras_dtensor import _edits
-
-    class Trainer:
-        def train_step(self, data):
-            return "a later keras's step"
-
-    trainer = types.ModuleType("trainer")
-    trainer.TorchTrainer = Trainer
-    source = inspect.getsource(Trainer.train_step)
-    digest = hashlib.sha256(source.encode()).hexdigest()
-
-    def copy(trainer):
-        return "the copy"
-
-    for name in (
-        "train_step_with_detached_predictions",
-        "UPSTREAM_TRAIN_STEP_SHA256",
-    ):
-        monkeypatch.setattr(
-            distributed_trainer, name, getattr(distributed_trainer, name)
-        )
-    written_for_3_15 = distributed_trainer.train_step_with_detached_predictions
-    monkeypatch.setattr(_edits, "LATER_TRAIN_STEP_COPIES", {})
-    _edits.edit_train_step_copy_follows_keras(trainer)
-    assert (
-        distributed_trainer.train_step_with_detached_predictions
-        is written_for_3_15
-    )
-    monkeypatch.setattr(_edits, "LATER_TRAIN_STEP_COPIES", {digest: copy})
-    _edits.edit_train_step_copy_follows_keras(trainer)
-    assert distributed_trainer.train_step_with_detached_predictions is copy
-    assert distributed_trainer.UPSTREAM_TRAIN_STEP_SHA256 == digest
-
-
 def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
     """Under a distribution, a later keras's numpy iteration of a
     `ModelParallel`'s data gives way to the torch `DataLoader`; without
@@ -573,3 +530,35 @@ def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
     upstream = plain.TorchEpochIterator._get_iterator
     _edits.edit_epoch_iterator_keeps_torch_dataloader(plain)
     assert plain.TorchEpochIterator._get_iterator is upstream
+
+
+def test_later_keras_builds_no_ddp_without_distribution(monkeypatch):
+    """Without a distribution too, each process trains on its own (as with
+    keras 3.15.1): a later keras's DDP wrapping is never built."""
+    import types
+
+    from keras.src.distribution import distribution_lib as keras_distribution
+    from keras_dtensor import _edits
+
+    built = []
+
+    class Trainer:
+        variables = ()
+
+        def _initialize_ddp(self):
+            built.append("ddp")
+
+    trainer = types.ModuleType("trainer")
+    trainer.TorchTrainer = Trainer
+    _edits.edit_trainer_skips_ddp_under_distribution(trainer)
+    _edits.edit_trainer_no_ddp_without_distribution(trainer)
+    for distribution in (None, object()):
+        monkeypatch.setattr(
+            keras_distribution, "distribution", lambda d=distribution: d
+        )
+        assert Trainer()._initialize_ddp() is None
+    assert built == []
+    plain = types.ModuleType("plain")
+    plain.TorchTrainer = type("TorchTrainer", (), {})
+    _edits.edit_trainer_no_ddp_without_distribution(plain)
+    assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
