@@ -32,15 +32,24 @@ MARKER = "@@bench "
 
 
 def mount_state():
-    """Whether keras-dtensor's mount is active in this process."""
+    """Whether keras-dtensor's mount is active in this process.
+
+    `distribution_lib_bound`: the backend's `distribution_lib` is this
+    project's, not one of the installed keras's own (keras 3.15.1's torch
+    backend has none, a later keras's has its own).
+    """
+    import keras
     from keras.src import backend
 
     finder_armed = any(
         type(f).__name__ == "KerasOverlayFinder" for f in sys.meta_path
     )
+    library = getattr(backend.distribution_lib, "__file__", None)
+    installed = os.path.dirname(os.path.realpath(keras.__file__)) + os.sep
     return {
         "finder_armed": finder_armed,
-        "distribution_lib_bound": backend.distribution_lib is not None,
+        "distribution_lib_bound": library is not None
+        and not os.path.realpath(library).startswith(installed),
     }
 
 
