@@ -754,6 +754,34 @@ def edit_trainer_no_ddp_without_distribution(trainer_module):
     trainer_class._initialize_ddp = _initialize_ddp
 
 
+def edit_trainer_compiles_under_every_distribution(trainer_module):
+    """A later keras's torch trainer refuses `jit_compile=True` under any
+    distribution but `DataParallel` (`_use_torch_compile` warns and runs
+    eagerly), since its own distribution enters a `TorchDispatchMode`
+    that Dynamo cannot trace through. This project's `distribution_lib`
+    enters none, and its compiled steps (`distributed_trainer`) serve
+    every distribution, so under a distribution `jit_compile` is honoured
+    as with keras 3.15.1 (unless the model runs eagerly). Without one,
+    upstream's rule holds. Runs after `edit_renamed_names`, whose
+    `_should_torch_compile` it updates too. Keras 3.15.1 has no such
+    method: nothing to edit there."""
+    trainer_class = trainer_module.TorchTrainer
+    upstream = vars(trainer_class).get("_use_torch_compile")
+    if upstream is None:
+        return
+    from keras.src.distribution import distribution_lib as keras_distribution
+
+    def _use_torch_compile(self):
+        if keras_distribution.distribution() is None:
+            return upstream(self)
+        return bool(self.jit_compile) and not self.run_eagerly
+
+    _use_torch_compile.__doc__ = upstream.__doc__
+    trainer_class._use_torch_compile = _use_torch_compile
+    if vars(trainer_class).get("_should_torch_compile") is upstream:
+        trainer_class._should_torch_compile = _use_torch_compile
+
+
 def edit_trainer_metrics_not_reduced_under_distribution(trainer_module):
     """A later keras's torch trainer all-reduces the metric variables over
     the processes in `get_metrics_result` (for DDP); under a distribution
@@ -852,6 +880,7 @@ POST_IMPORT_EDITS = {
         edit_renamed_names,
         edit_trainer_skips_ddp_under_distribution,
         edit_trainer_no_ddp_without_distribution,
+        edit_trainer_compiles_under_every_distribution,
         edit_trainer_metrics_not_reduced_under_distribution,
         edit_trainer_batches_stay_global,
         edit_epoch_iterator_keeps_torch_dataloader,

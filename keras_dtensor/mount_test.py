@@ -562,3 +562,41 @@ def test_later_keras_builds_no_ddp_without_distribution(monkeypatch):
     plain.TorchTrainer = type("TorchTrainer", (), {})
     _edits.edit_trainer_no_ddp_without_distribution(plain)
     assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
+
+
+def test_later_keras_compiles_under_every_distribution(monkeypatch):
+    """Under a distribution, `jit_compile=True` compiles the step whatever
+    the distribution (a later keras refuses all but `DataParallel`);
+    without one, upstream's rule holds; keras 3.15.1 is left as it is."""
+    import types
+
+    from keras.src.distribution import distribution_lib as keras_distribution
+    from keras_dtensor import _edits
+
+    class Trainer:
+        jit_compile = True
+        run_eagerly = False
+
+        def _use_torch_compile(self):
+            return "upstream's rule"
+
+    trainer = types.ModuleType("keras.src.backend.torch.trainer")
+    trainer.Trainer = Trainer
+    _edits.edit_renamed_names(trainer)
+    _edits.edit_trainer_compiles_under_every_distribution(trainer)
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
+    assert Trainer()._should_torch_compile() == "upstream's rule"
+    monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
+    assert Trainer()._use_torch_compile() is True
+    assert Trainer()._should_torch_compile() is True
+    eager = Trainer()
+    eager.run_eagerly = True
+    assert eager._should_torch_compile() is False
+    # Keras 3.15.1's trainer has `_should_torch_compile` only: kept.
+    plain = types.ModuleType("plain")
+    plain.TorchTrainer = type(
+        "TorchTrainer", (), {"_should_torch_compile": lambda self: "3.15.1"}
+    )
+    _edits.edit_trainer_compiles_under_every_distribution(plain)
+    assert plain.TorchTrainer()._should_torch_compile() == "3.15.1"
+    assert not hasattr(plain.TorchTrainer, "_use_torch_compile")
