@@ -26,9 +26,6 @@ EDITS_WITHOUT_PATCH = {
     "base's names (RENAMES)",
     "edit_trainer_no_ddp_without_distribution": "compatibility: the mount "
     "keeps keras 3.15.1's training without a distribution",
-    "edit_trainer_compiles_under_every_distribution": "carried by 0019 "
-    "(jit_compile under every distribution), whose message does not name "
-    "it yet",
 }
 
 
