@@ -600,3 +600,82 @@ def test_later_keras_compiles_under_every_distribution(monkeypatch):
     _edits.edit_trainer_compiles_under_every_distribution(plain)
     assert plain.TorchTrainer()._should_torch_compile() == "3.15.1"
     assert not hasattr(plain.TorchTrainer, "_use_torch_compile")
+
+
+def test_attention_placements_fit_local_shards():
+    """Query, key and value keep batch and heads splits (the mask too,
+    where it is not broadcast there); anything else is replicated."""
+    import types
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from keras_dtensor import _edits
+
+    def placements(query_placements, mask_shape):
+        query = types.SimpleNamespace(placements=query_placements)
+        return _edits._attention_placements(query, mask_shape)
+
+    R = Replicate()
+    assert placements((Shard(2), Partial()), (4, 1, 8, 8)) == (
+        (Shard(2), R),
+        (R, R),
+    )
+    assert placements((Shard(0), Shard(2)), (4, 4, 8, 8)) == (
+        (Shard(0), Shard(2)),
+        (Shard(0), Shard(1)),
+    )
+    # A sequence split, and a strided one, are replicated.
+    assert placements((Shard(1),), (4, 1, 8, 8)) == ((R,), (R,))
+    strided = _StridedShard(2, split_factor=2)
+    assert placements((strided,), None) == ((R,), (R,))
+    # Masks broadcast from the right: (heads, seq, seq), and no mask.
+    assert placements((Shard(0),), (4, 8, 8)) == ((Shard(0),), (R,))
+    assert placements((Shard(2),), (4, 8, 8)) == ((Shard(2),), (Shard(0),))
+    assert placements((Shard(2),), None) == ((Shard(2),), (R,))
+
+
+def test_later_keras_attention_gets_inputs_laid_out():
+    """A later keras's `dot_product_attention` receives DTensor inputs in
+    the placements of `_attention_placements`; plain tensors as given."""
+    import types
+
+    import numpy as np
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    import keras
+    from keras_dtensor import _edits
+
+    calls = []
+
+    def dot_product_attention(query, key, value, bias=None, mask=None, **kw):
+        calls.append((query, key, value, bias, mask, kw))
+        return "attention"
+
+    nn = types.ModuleType("nn")
+    nn.dot_product_attention = dot_product_attention
+    _edits.edit_attention_inputs_fit_local_shards(nn)
+    plain = torch.ones((2, 3, 2, 4))
+    assert nn.dot_product_attention(plain, plain, plain, scale=0.5) == (
+        "attention"
+    )
+    assert calls[-1][0] is plain and calls[-1][5] == {"scale": 0.5}
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    mesh = distribution.device_mesh.backend_mesh
+    query = distribute_tensor(torch.ones((2, 3, 4, 4)), mesh, [Shard(2)])
+    key = distribute_tensor(torch.ones((2, 3, 2, 4)), mesh, [Shard(1)])
+    mask = np.ones((2, 1, 3, 3), "bool")
+    nn.dot_product_attention(query, key, key, mask=mask)
+    query, key, value, bias, mask, _ = calls[-1]
+    assert query.placements == (Shard(2),)
+    # Key and value repeated to the query's 4 heads, split alike.
+    assert key.shape == value.shape == (2, 3, 4, 4)
+    assert key.placements == value.placements == (Shard(2),)
+    assert bias is None
+    assert isinstance(mask, DTensor) and mask.placements == (Replicate(),)
