@@ -26,8 +26,6 @@ EDITS_WITHOUT_PATCH = {
     "base's names (RENAMES)",
     "edit_trainer_no_ddp_without_distribution": "compatibility: the mount "
     "keeps keras 3.15.1's training without a distribution",
-    "edit_attention_inputs_fit_local_shards": "not in a patch yet: in-tree, "
-    "ops/nn.py's dot_product_attention would lay out its inputs itself",
 }
 
 
