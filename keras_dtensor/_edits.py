@@ -18,6 +18,9 @@ import sys
 from keras_dtensor import _saving_edits
 
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
+# keras-nightly versions outside that range that this project's whole test
+# suite passed on (docs/keras_nightly.md, scripts/nightly.sh).
+TESTED_KERAS_NIGHTLY = ("3.16.0.dev2026102704",)
 # Measured by scripts/torch_matrix.sh (README, "Supported versions").
 SUPPORTED_TORCH = ("2.11", "2.16")  # [minimum, exclusive maximum)
 
@@ -50,17 +53,33 @@ def _range_text(name, supported):
     return f"{name}>={supported[0]},<{supported[1]}"
 
 
+def keras_version_supported(version):
+    """Whether keras `version` is in `SUPPORTED_KERAS` or a tested nightly."""
+    return (
+        _in_range(version, SUPPORTED_KERAS) or version in TESTED_KERAS_NIGHTLY
+    )
+
+
+def _keras_support_text():
+    """The supported keras versions, in words, for the version errors."""
+    text = _range_text("keras", SUPPORTED_KERAS)
+    if TESTED_KERAS_NIGHTLY:
+        nightlies = ", ".join(TESTED_KERAS_NIGHTLY)
+        text += f" (or the tested keras-nightly {nightlies})"
+    return text
+
+
 def check_supported_versions(module=None):
     """Fails with one clear error on a keras or torch outside the range."""
     import torch
 
     from keras.src.version import __version__ as keras_version
 
-    keras_ok = _in_range(keras_version, SUPPORTED_KERAS)
+    keras_ok = keras_version_supported(keras_version)
     torch_ok = _in_range(torch.__version__, SUPPORTED_TORCH)
     if not (keras_ok and torch_ok):
         raise UnsupportedVersionError(
-            f"keras-dtensor supports {_range_text('keras', SUPPORTED_KERAS)} "
+            f"keras-dtensor supports {_keras_support_text()} "
             f"and {_range_text('torch', SUPPORTED_TORCH)}. "
             f"Found keras=={keras_version} and torch=={torch.__version__}. "
             "Install a supported version, or uninstall keras-dtensor."
@@ -95,16 +114,17 @@ def check_installed_keras_version():
     """Fails with one clear error on a keras outside the supported range.
 
     Run by the mount before it serves its first torch backend module, so
-    that a keras it was not built for (a 3.16 dev version, whose torch
-    backend has a `distribution_lib` of its own) gets this error instead
-    of an import cycle. torch is checked when `keras.src.backend.torch.core`
-    is imported (`check_supported_versions`).
+    that a keras it was not built for (say an untested 3.16 dev version,
+    whose torch backend has a `distribution_lib` of its own) gets this
+    error instead of whatever the overlay would meet there. torch is
+    checked when `keras.src.backend.torch.core` is imported
+    (`check_supported_versions`).
     """
     version = installed_keras_version()
-    if version is None or _in_range(version, SUPPORTED_KERAS):
+    if version is None or keras_version_supported(version):
         return
     raise UnsupportedVersionError(
-        f"keras-dtensor supports {_range_text('keras', SUPPORTED_KERAS)}. "
+        f"keras-dtensor supports {_keras_support_text()}. "
         f"Found keras=={version}. Install a supported version, or uninstall "
         "keras-dtensor."
     )

@@ -177,10 +177,39 @@ def test_unsupported_version_gives_one_clear_error(monkeypatch):
         _edits.check_supported_versions()
     message = str(error.value)
     assert "keras>=3.15.1,<3.16" in message
+    assert "keras-nightly 3.16.0.dev2026102704" in message
     assert "torch>=2.11,<2.16" in message
     assert "keras==3.14.0" in message
-    monkeypatch.setattr(version, "__version__", "3.15.1")
-    _edits.check_supported_versions()
+    for supported in ("3.15.1", "3.15.2", "3.16.0.dev2026102704"):
+        monkeypatch.setattr(version, "__version__", supported)
+        _edits.check_supported_versions()
+    for unsupported in ("3.16.0", "3.16.0.dev2026102705", "3.17.0.dev1"):
+        monkeypatch.setattr(version, "__version__", unsupported)
+        with pytest.raises(_edits.UnsupportedVersionError):
+            _edits.check_supported_versions()
+
+
+def test_supported_keras_versions():
+    """The range of releases, and the keras-nightly versions outside it
+    that the suite was run on, one by one."""
+    from keras_dtensor import _edits
+
+    assert _edits.TESTED_KERAS_NIGHTLY == ("3.16.0.dev2026102704",)
+    supported = {
+        "3.15.0": False,
+        "3.15.1": True,
+        "3.15.9": True,
+        "3.16.0.dev2026102704": True,
+        "3.16.0.dev2026102705": False,
+        "3.16.0.dev2026010100": False,
+        "3.16.0rc1": False,
+        "3.16.0": False,
+    }
+    for version, expected in supported.items():
+        assert _edits.keras_version_supported(version) is expected, version
+    assert _edits._keras_support_text() == (
+        "keras>=3.15.1,<3.16 (or the tested keras-nightly 3.16.0.dev2026102704)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -249,7 +278,8 @@ def test_upstreaming_lists_every_edit():
 def test_a_keras_outside_the_range_fails_before_the_overlay(
     tmp_path, monkeypatch
 ):
-    """A 3.16 keras meets the version error, not the overlay's imports."""
+    """An untested 3.16 keras meets the version error, not the overlay's
+    imports."""
     from keras_dtensor import _edits
     from keras_dtensor import _finder
 
@@ -257,16 +287,22 @@ def test_a_keras_outside_the_range_fails_before_the_overlay(
     (package / "src").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "src" / "version.py").write_text(
-        '__version__ = "3.16.0.dev2026102704"\n'
+        '__version__ = "3.16.0.dev2026010100"\n'
     )
     fake = type(sys)("keras")
     fake.__file__ = str(package / "__init__.py")
     monkeypatch.setitem(sys.modules, "keras", fake)
-    assert _edits.installed_keras_version() == "3.16.0.dev2026102704"
+    assert _edits.installed_keras_version() == "3.16.0.dev2026010100"
     with pytest.raises(_edits.UnsupportedVersionError) as error:
         _edits.check_installed_keras_version()
     assert "keras>=3.15.1,<3.16" in str(error.value)
-    assert "keras==3.16.0.dev2026102704" in str(error.value)
+    assert "keras-nightly 3.16.0.dev2026102704" in str(error.value)
+    assert "keras==3.16.0.dev2026010100" in str(error.value)
+    # The tested nightly passes the check.
+    (package / "src" / "version.py").write_text(
+        '__version__ = "3.16.0.dev2026102704"\n'
+    )
+    _edits.check_installed_keras_version()
 
     checks = []
     finder = _finder.KerasOverlayFinder(

@@ -5,21 +5,22 @@
 #
 # It creates (or reuses) a virtualenv OUTSIDE the checkout with the pins of
 # requirements-nightly.txt (keras-nightly, which installs the `keras`
-# package, torch and the test requirements), installs this checkout into it
-# with `pip install -e . --no-deps` (pyproject says keras<3.16), and runs
-# pytest. Without arguments it runs, one after the other:
-#   1. the unit tests:          keras keras_dtensor
-#   2. the README example test: integration_tests/layout_helpers_test.py::
-#                               test_readme_example_runs_as_written
-#   3. the parity test:         integration_tests/training_parity_test.py
-# (2 and 3 launch gloo processes). With arguments, one pytest run of them.
+# package, torch and the test requirements) and keras-hub-nightly without
+# its dependencies (requirements-keras-hub-nightly.txt), installs
+# this checkout into it with `pip install -e . --no-deps` (pyproject says
+# keras<3.16), and runs pytest. Without arguments it runs the whole suite:
+# the unit tests (keras keras_dtensor) in one pytest run, then each file of
+# integration_tests/ in a pytest run of its own, one after the other (they
+# launch gloo processes). With arguments, one pytest run of them, e.g.
+#   scripts/nightly.sh integration_tests/training_parity_test.py
 # It prints one line per test file: PASS or FAIL with the counts.
 #
-# The version guard (keras_dtensor/_edits.py, SUPPORTED_KERAS) may refuse
-# the nightly. Then the checkout is copied to $NIGHTLY_TREE, the guard's
-# upper bound is widened THERE (never in this checkout), and the tests run
-# from that copy; the script says so. A guard that accepts the nightly is
-# used as it is, from this checkout.
+# The version guard (keras_dtensor/_edits.py: SUPPORTED_KERAS, and the
+# keras-nightly versions the suite passed on, TESTED_KERAS_NIGHTLY) accepts
+# the pinned nightly once it is listed there: then this checkout is tested
+# as it is. A nightly it does not list yet (a newer pin, to be tested) is
+# tested from a copy in $NIGHTLY_TREE whose TESTED_KERAS_NIGHTLY names it
+# (never this checkout); the script says so.
 #
 # Environment:
 #   NIGHTLY_VENV     the virtualenv (default: ${TMPDIR:-/tmp}/keras-nightly-venv);
@@ -42,6 +43,7 @@ LOGS=${NIGHTLY_LOGS:-$BASE/keras-nightly-logs}
 TIMEOUT=${NIGHTLY_TIMEOUT:-3600}
 PYTHON=${PYTHON:-python3}
 REQUIREMENTS=$REPO/requirements-nightly.txt
+KERAS_HUB_REQUIREMENTS=$REPO/requirements-keras-hub-nightly.txt
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export KERAS_BACKEND=torch OMP_NUM_THREADS=1
 mkdir -p "$LOGS"
@@ -68,15 +70,29 @@ for path in glob.glob(pattern):
 EOF
 }
 
-# Creates the venv, or reuses it when it holds the pinned nightly.
+# The pinned keras-hub-nightly version of requirements-keras-hub-nightly.txt.
+pinned_keras_hub() {
+    sed -n 's/^keras-hub-nightly==\([^ ]*\).*/\1/p' \
+        "$KERAS_HUB_REQUIREMENTS" | head -n 1
+}
+
+# Creates the venv, or reuses it when it holds the pinned nightly and
+# keras-hub.
 make_venv() {
-    if [ "$(installed_version)" = "$(pinned_version)" ]; then
+    if [ "$(installed_version)" = "$(pinned_version)" ] &&
+        [ "$(installed_version keras_hub/src)" = "$(pinned_keras_hub)" ]; then
         return 0
     fi
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || return 1
     # keras and keras-nightly both install `keras/`: keep only the nightly.
     "$VENV/bin/pip" uninstall -q -y keras >/dev/null 2>&1
     "$VENV/bin/pip" install -q -r "$REQUIREMENTS" || return 1
+    # keras-hub and keras-hub-nightly both install `keras_hub/`; their own
+    # requirements pull TensorFlow and keras.
+    "$VENV/bin/pip" uninstall -q -y keras-hub keras-hub-nightly \
+        >/dev/null 2>&1
+    "$VENV/bin/pip" install -q --no-deps -r "$KERAS_HUB_REQUIREMENTS" ||
+        return 1
     [ "$(installed_version)" = "$(pinned_version)" ]
 }
 
@@ -88,15 +104,14 @@ import sys
 sys.path.insert(0, ".")
 from keras_dtensor import _edits  # noqa: E402
 
-sys.exit(not _edits._in_range(sys.argv[1], _edits.SUPPORTED_KERAS))
+sys.exit(not _edits.keras_version_supported(sys.argv[1]))
 EOF
 }
 
-# Copies the checkout (or $NIGHTLY_REF) to $TREE and widens the guard's
-# upper bound there to the minor release after $1.
+# Copies the checkout (or $NIGHTLY_REF) to $TREE and adds keras version $1
+# to the guard's TESTED_KERAS_NIGHTLY there.
 patched_tree() {
-    local version=$1 next
-    next=$(echo "$version" | awk -F. '{print $1 "." $2 + 1}')
+    local version=$1
     rm -rf "$TREE" && mkdir -p "$TREE" || return 1
     if [ -n "${NIGHTLY_REF:-}" ]; then
         git -C "$REPO" archive "$NIGHTLY_REF" | tar -x -C "$TREE" || return 1
@@ -105,10 +120,9 @@ patched_tree() {
             tar --null --ignore-failed-read -T - -cf - 2>/dev/null) |
             tar -x -C "$TREE" || return 1
     fi
-    sed -i "s/^SUPPORTED_KERAS = (\"\([^\"]*\)\", \"[^\"]*\")/SUPPORTED_KERAS = (\"\1\", \"$next\")/" \
+    sed -i "s/^TESTED_KERAS_NIGHTLY = (/TESTED_KERAS_NIGHTLY = (\"$version\", /" \
         "$TREE/keras_dtensor/_edits.py"
-    grep -q "^SUPPORTED_KERAS = (\"[^\"]*\", \"$next\")" \
-        "$TREE/keras_dtensor/_edits.py"
+    guard_accepts "$TREE" "$version"
 }
 
 # Installs checkout $1 editable into the venv unless it is there already.
@@ -174,9 +188,9 @@ main() {
             return 2
         }
         tree=$TREE
-        echo "== NOTE: the guard refuses keras $version; testing a copy" \
-            "in $tree with SUPPORTED_KERAS widened (this checkout is" \
-            "unchanged)" >&2
+        echo "== NOTE: the guard does not list keras $version; testing" \
+            "a copy in $tree whose TESTED_KERAS_NIGHTLY does (this" \
+            "checkout is unchanged)" >&2
     fi
     install_checkout "$tree" >>"$LOGS/install.log" 2>&1 || {
         echo "FAIL pip install -e $tree, see $LOGS/install.log"
@@ -189,13 +203,13 @@ main() {
     fi
     echo "== unit tests" >&2
     run_pytest "$tree" "$LOGS/unit.log" keras keras_dtensor || failed=1
-    echo "== README example" >&2
-    run_pytest "$tree" "$LOGS/readme.log" \
-        "integration_tests/layout_helpers_test.py::test_readme_example_runs_as_written" ||
-        failed=1
-    echo "== training parity" >&2
-    run_pytest "$tree" "$LOGS/parity.log" \
-        integration_tests/training_parity_test.py || failed=1
+    local test_file name
+    for test_file in "$tree"/integration_tests/*_test.py; do
+        name=$(basename "$test_file" .py)
+        echo "== integration_tests/$name.py" >&2
+        run_pytest "$tree" "$LOGS/$name.log" \
+            "integration_tests/$name.py" || failed=1
+    done
     return $failed
 }
 
