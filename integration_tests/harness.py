@@ -205,6 +205,9 @@ def worker_env(
             "PYTHONUNBUFFERED": "1",
             "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
             "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            # The workers' single-process references train without a
+            # distribution: no DDP (a later keras would build one).
+            "KERAS_DTENSOR_NO_DDP": "1",
             # A worker killed by a signal (SIGABRT, SIGSEGV) prints the
             # Python stacks of its threads.
             "PYTHONFAULTHANDLER": "1",

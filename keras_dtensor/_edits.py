@@ -751,12 +751,17 @@ def edit_trainer_skips_ddp_under_distribution(trainer_module):
     trainer_class._initialize_ddp = _initialize_ddp
 
 
+# Set to "1": without a distribution, a later keras builds no DDP either.
+NO_DDP_ENV_VAR = "KERAS_DTENSOR_NO_DDP"
+
+
 def edit_trainer_no_ddp_without_distribution(trainer_module):
     """Without a distribution, a later keras's trainer wraps the model in
-    DDP when a process group exists (`_initialize_ddp`). With this
-    project, keras's data parallelism on torch is `DataParallel`, and
-    without a distribution each process trains on its own, as with keras
-    3.15.1: no DDP is built there either. Runs after
+    DDP when a process group exists (`_initialize_ddp`), and so it does
+    here: upstream's behaviour. With `KERAS_DTENSOR_NO_DDP=1`, each process
+    trains on its own instead, as with keras 3.15.1 (the test harness's
+    single-process references do; torch 2.13.0 crashes constructing DDP
+    over gloo under `TORCH_DISTRIBUTED_DEBUG=DETAIL`). Runs after
     `edit_trainer_skips_ddp_under_distribution`. Keras 3.15.1 has no such
     path: nothing to edit there."""
     trainer_class = trainer_module.TorchTrainer
@@ -766,7 +771,10 @@ def edit_trainer_no_ddp_without_distribution(trainer_module):
     from keras.src.distribution import distribution_lib as keras_distribution
 
     def _initialize_ddp(self):
-        if keras_distribution.distribution() is None:
+        if (
+            keras_distribution.distribution() is None
+            and os.environ.get(NO_DDP_ENV_VAR) == "1"
+        ):
             return None
         return edited(self)
 

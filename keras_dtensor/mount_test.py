@@ -568,9 +568,9 @@ def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
     assert plain.TorchEpochIterator._get_iterator is upstream
 
 
-def test_later_keras_builds_no_ddp_without_distribution(monkeypatch):
-    """Without a distribution too, each process trains on its own (as with
-    keras 3.15.1): a later keras's DDP wrapping is never built."""
+def test_later_keras_ddp_without_distribution_is_upstreams(monkeypatch):
+    """Without a distribution a later keras's DDP wrapping is built, as
+    upstream builds it, unless `KERAS_DTENSOR_NO_DDP=1`; under one, never."""
     import types
 
     from keras.src.distribution import distribution_lib as keras_distribution
@@ -588,12 +588,17 @@ def test_later_keras_builds_no_ddp_without_distribution(monkeypatch):
     trainer.TorchTrainer = Trainer
     _edits.edit_trainer_skips_ddp_under_distribution(trainer)
     _edits.edit_trainer_no_ddp_without_distribution(trainer)
-    for distribution in (None, object()):
-        monkeypatch.setattr(
-            keras_distribution, "distribution", lambda d=distribution: d
-        )
-        assert Trainer()._initialize_ddp() is None
-    assert built == []
+    for no_ddp in (None, "1"):
+        if no_ddp is None:
+            monkeypatch.delenv(_edits.NO_DDP_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(_edits.NO_DDP_ENV_VAR, no_ddp)
+        for distribution in (None, object()):
+            monkeypatch.setattr(
+                keras_distribution, "distribution", lambda d=distribution: d
+            )
+            Trainer()._initialize_ddp()
+    assert built == ["ddp"]
     plain = types.ModuleType("plain")
     plain.TorchTrainer = type("TorchTrainer", (), {})
     _edits.edit_trainer_no_ddp_without_distribution(plain)

@@ -24,8 +24,8 @@ EDITS_WITHOUT_PATCH = {
     "mount",
     "edit_renamed_names": "compatibility: in-tree, the modules use the "
     "base's names (RENAMES)",
-    "edit_trainer_no_ddp_without_distribution": "compatibility: the mount "
-    "keeps keras 3.15.1's training without a distribution",
+    "edit_trainer_no_ddp_without_distribution": "compatibility: an option "
+    "of the mount (KERAS_DTENSOR_NO_DDP) for tests",
 }
 
 
