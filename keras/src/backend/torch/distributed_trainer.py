@@ -228,6 +228,10 @@ def train_step_copy_3_15(trainer):
     `torch.compiler.disable`."""
     backward = torch.compiler.disable(torch.Tensor.backward)
 
+    def gradients_of(loss, trainable_weights):
+        backward(loss)
+        return [v.value.grad for v in trainable_weights]
+
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         if trainer._call_has_training_arg:
@@ -245,14 +249,7 @@ def train_step_copy_3_15(trainer):
         y_pred = _pytree.tree_map_only(
             torch.Tensor, torch.Tensor.detach, y_pred
         )
-        if trainer.trainable_weights:
-            backward(loss)
-            trainable_weights = trainer.trainable_weights[:]
-            gradients = [v.value.grad for v in trainable_weights]
-            with torch.no_grad():
-                trainer.optimizer.apply(gradients, trainable_weights)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
+        _apply_gradients(trainer, loss, gradients_of)
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )
@@ -267,6 +264,16 @@ def train_step_copy_3_16_dev(trainer):
     without DDP) called through `torch.compiler.disable`."""
     backward = torch.compiler.disable(torch.Tensor.backward)
     grad = torch.compiler.disable(torch.autograd.grad)
+
+    def gradients_of(loss, trainable_weights):
+        if (
+            not trainer.run_eagerly
+            and trainer.jit_compile
+            and trainer.ddp_model is None
+        ):
+            return _gradients_by_grad(grad, loss, trainable_weights)
+        backward(loss)
+        return [v.value.grad for v in trainable_weights]
 
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -292,41 +299,38 @@ def train_step_copy_3_16_dev(trainer):
         y_pred = _pytree.tree_map_only(
             torch.Tensor, torch.Tensor.detach, y_pred
         )
-        if trainer.trainable_weights:
-            trainable_weights = trainer.trainable_weights[:]
-            if (
-                not trainer.run_eagerly
-                and trainer.jit_compile
-                and trainer.ddp_model is None
-            ):
-                trainable_tensors = [v.value for v in trainable_weights]
-                if isinstance(loss, torch.Tensor) and not loss.requires_grad:
-                    gradients = [None] * len(trainable_weights)
-                elif all(t.requires_grad for t in trainable_tensors):
-                    gradients = grad(loss, trainable_tensors, allow_unused=True)
-                else:
-                    inputs = [t for t in trainable_tensors if t.requires_grad]
-                    grads = (
-                        iter(grad(loss, inputs, allow_unused=True))
-                        if inputs
-                        else iter(())
-                    )
-                    gradients = [
-                        next(grads) if t.requires_grad else None
-                        for t in trainable_tensors
-                    ]
-            else:
-                backward(loss)
-                gradients = [v.value.grad for v in trainable_weights]
-            with torch.no_grad():
-                trainer.optimizer.apply(gradients, trainable_weights)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
+        _apply_gradients(trainer, loss, gradients_of)
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )
 
     return train_step
+
+
+def _gradients_by_grad(grad, loss, trainable_weights):
+    """keras-nightly's gradients of a compiled step: `torch.autograd.grad`
+    of the loss for the weights that require gradients, None for others."""
+    trainable_tensors = [v.value for v in trainable_weights]
+    if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+        return [None] * len(trainable_weights)
+    if all(t.requires_grad for t in trainable_tensors):
+        return grad(loss, trainable_tensors, allow_unused=True)
+    inputs = [t for t in trainable_tensors if t.requires_grad]
+    grads = iter(grad(loss, inputs, allow_unused=True)) if inputs else iter(())
+    return [next(grads) if t.requires_grad else None for t in trainable_tensors]
+
+
+def _apply_gradients(trainer, loss, gradients_of):
+    """The end of upstream's `train_step`, as each copy has it: the
+    optimizer applies `gradients_of(loss, trainable_weights)`, or a warning
+    says the model has no trainable weights."""
+    if not trainer.trainable_weights:
+        warnings.warn("The model does not have any trainable weights.")
+        return
+    trainable_weights = trainer.trainable_weights[:]
+    gradients = gradients_of(loss, trainable_weights)
+    with torch.no_grad():
+        trainer.optimizer.apply(gradients, trainable_weights)
 
 
 # SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in each keras this
