@@ -37,10 +37,14 @@ TENSOR_PARALLEL_LAYOUT = {
 ACTIVATION_OUTPUTS = r"b\d+_(o|down|add|ln1|ln2|norm1|norm2)/output"
 
 # LayoutMap regex -> axes for a fully sharded (ZeRO-3 / FSDP) layout: every
-# matrix is sharded on its first dimension over the data-parallel axis.
+# trainable variable is sharded on its first dimension over the
+# data-parallel axis, as FSDP2 shards every parameter of the native twin
+# (the causal mask's bias and the rotary tables are buffers there).
 FULLY_SHARDED_LAYOUT = {
     r".*/kernel": ("batch", None),
     r".*/embeddings": ("batch", None),
+    r".*(?<!_mask)/bias": ("batch",),
+    r".*/(gamma|beta|scale)": ("batch",),
 }
 
 
@@ -256,7 +260,8 @@ def make_distribution(mode, world, workload="mlp", output_layouts=True):
         mode: `"single"` (no distribution), `"dp"` (DataParallel), `"tp"`
             (ModelParallel on a `(1, N)` batch x model mesh, so the batch
             is replicated), `"2d"` (ModelParallel on a `(2, N/2)` mesh) or
-            `"fsdp"` (every matrix sharded over the batch axis).
+            `"fsdp"` (every trainable variable sharded over the batch
+            axis).
         world: number of processes.
         workload: the workload, for the rank of the activations.
         output_layouts: whether tensor-parallel layouts also lay out the

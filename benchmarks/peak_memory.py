@@ -10,8 +10,10 @@ at any point of the step above those in use when it starts
 counted; gradients and states created in the step are). On a GPU the same
 script reads `torch.cuda.max_memory_allocated` instead.
 
-Each rank measures its own steps; the report gives the largest over the
-ranks, per cell: Keras, native, and their ratio.
+Each rank measures its own steps; a step's peak is the largest over the
+ranks. The two models' steps alternate, `--repeats` each (5 by default),
+and the report gives, per cell, the median and range of Keras's and the
+native twin's, and the ratio of the medians.
 
 Run it like the harness, e.g.:
 
@@ -22,6 +24,7 @@ Run it like the harness, e.g.:
 import argparse
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -85,39 +88,59 @@ def largest_over_ranks(value):
     return int(tensor.item())
 
 
-def measure_cell(workload, mode, config, warmup):
-    """Peak bytes of one Keras and one native step of a cell."""
+def measure_cell(workload, mode, config, warmup, repeats):
+    """Peak bytes of Keras and native steps of a cell, `repeats` each.
+
+    The two models' steps alternate; each step's peak is the largest over
+    the ranks. Allocations of gloo's threads count too, and when they
+    happen moves from step to step, so the report gives the median.
+    """
     result = cell.new_cell(workload, mode)
     options = {"steps": 0, "warmup": warmup, "jit": False, "seed": 0}
     steps = cell.prepare(result, config, options)
-    peaks = {}
-    for name in ("keras", "native"):
-        measure.barrier()
-        peaks[name] = largest_over_ranks(step_peak_bytes(steps[name]))
+    peaks = {"keras": [], "native": []}
+    for _ in range(repeats):
+        for name in ("keras", "native"):
+            measure.barrier()
+            peaks[name].append(largest_over_ranks(step_peak_bytes(steps[name])))
     return {
         "workload": workload,
         "mode": mode,
         "world": result["world"],
         "twin": result["twin"],
-        "peak_bytes": peaks,
+        "peak_bytes": {
+            name: statistics.median(values) for name, values in peaks.items()
+        },
+        "peak_bytes_per_step": peaks,
     }
 
 
 def table(rows):
     lines = [
-        "| workload | mode | processes | Keras peak MiB | native peak MiB "
-        "| Keras / native |",
-        "|---|---|---|---|---|---|",
+        "| workload | mode | processes | steps | Keras peak MiB, median "
+        "(range) | native peak MiB, median (range) | Keras / native |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         keras_bytes = row["peak_bytes"]["keras"]
         native_bytes = row["peak_bytes"]["native"]
+        per_step = row["peak_bytes_per_step"]
         lines.append(
             f"| {row['workload']} | {row['mode']} | {row['world']} "
-            f"| {keras_bytes / 2**20:.2f} | {native_bytes / 2**20:.2f} "
+            f"| {len(per_step['keras'])} "
+            f"| {_mib(keras_bytes)} ({_mib_range(per_step['keras'])}) "
+            f"| {_mib(native_bytes)} ({_mib_range(per_step['native'])}) "
             f"| {keras_bytes / max(native_bytes, 1):.2f} |"
         )
     return "\n".join(lines)
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:.2f}"
+
+
+def _mib_range(values):
+    return f"{_mib(min(values))}–{_mib(max(values))}"
 
 
 def parse_args(argv=None):
@@ -133,6 +156,12 @@ def parse_args(argv=None):
         "--optimizer", default=defaults.optimizer, choices=("sgd", "adamw")
     )
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="Measured steps of each model (the report gives the median).",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--tag", default=None)
     return parser.parse_args(argv)
@@ -145,7 +174,7 @@ def main(argv=None):
         keras.distribution.initialize()
     config = run.config_from(args)
     rows = [
-        measure_cell(workload, mode, config, args.warmup)
+        measure_cell(workload, mode, config, args.warmup, args.repeats)
         for mode in modes
         for workload in args.workload.split(",")
     ]

@@ -36,6 +36,15 @@ the count of each collective (counts, not times):
   its second kernel's input gradient) and 2 reduce-scatters. With both
   blocks recomputed, each block is one unit (a recomputed sublayer joins
   no other), gathered again by its recomputation: the same counts.
+- A flat functional model (a first Dense, two residual blocks of two
+  Dense layers each, a head; every layer a direct layer of the model),
+  every variable sharded, as FSDP2 shards every parameter: the blocks are
+  found from the graph (the segments between single live tensors that
+  repeat), and each is a unit; the first Dense and the head form the root
+  unit, kept gathered from forward to the end of backward. A step issues
+  FSDP2's minimum: 3 all-gathers in forward, 2 in backward (the blocks;
+  the root is not gathered again), 3 reduce-scatters, the loss's
+  all-reduce, and no gradient bucket.
 The losses equal a single-process run's.
 """
 
@@ -55,6 +64,8 @@ RUNS = [
     "fsdpblocks:sgd",
     "fsdpblocks:sgd::0",
     "fsdpremat:sgd",
+    "fsdpflat:sgd",
+    "fsdpflat:adamw",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -196,6 +207,29 @@ def test_fully_sharded_blocks_gather_each_unit_once(reports, run, units):
                 placements, _ = layouts[f"{block}/{dense}/kernel"]
                 assert placements != ["R"], (block, dense)
         reference = report[f"{run}/reference_weights"]
+        for path, value in report[f"{run}/weights"].items():
+            np.testing.assert_allclose(
+                value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
+            )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_flat_model_blocks_are_found_from_its_graph(reports, optimizer):
+    """One unit per repeated block and one root unit: FSDP2's minimum."""
+    run = f"fsdpflat:{optimizer}"
+    for report in reports:
+        assert report[f"{run}/forward_counts"] == {ALL_GATHER: 3}
+        assert counts(report, run) == {
+            ALL_GATHER: 5,
+            REDUCE_SCATTER: 3,
+            DTENSOR_ALL_REDUCE: 1,
+        }
+        layouts = report[f"{run}/layouts"]
+        assert layouts["b0_up/kernel"] == [["S(1)"], [32, 32]]
+        assert layouts["b1_down/bias"] == [["S(0)"], [16]]
+        assert layouts["head/kernel"] == [["S(0)"], [16, 4]]
+        reference = report[f"{run}/reference_weights"]
+        assert set(report[f"{run}/weights"]) == set(reference)
         for path, value in report[f"{run}/weights"].items():
             np.testing.assert_allclose(
                 value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path

@@ -10,7 +10,9 @@ being `MODE:OPTIMIZER[:CAP[:UNIT_CAP]]`:
     kernel and the biases replicated), `fsdpblocks` (the same layouts
     for two blocks, each a layer of two Dense sublayers, then a head) or
     `fsdpremat` (`fsdpblocks` with both blocks recomputed in backward,
-    `remat_layers`).
+    `remat_layers`), or `fsdpflat` (a flat functional model of repeated
+    residual blocks between a first Dense and a head, every variable
+    sharded).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   CAP: gradient bucket cap in MB (`KERAS_DTENSOR_BUCKET_CAP_MB`), empty
     for the default.
@@ -60,11 +62,21 @@ class Block(keras.layers.Layer):
 
 def build(mode):
     """A 3-layer MLP for `dp` and `fsdp`, the Megatron block model for
-    `tp`, two blocks and a head for `fsdpblocks` and `fsdpremat`."""
+    `tp`, two blocks and a head for `fsdpblocks` and `fsdpremat`; for
+    `fsdpflat`, a first Dense, two residual blocks of two Dense layers
+    each, all direct layers of one functional model, and a head."""
     inputs = keras.Input((FEATURES,))
     if mode in ("fsdpblocks", "fsdpremat"):
         x = Block(name="block1")(inputs)
         x = Block(name="block2")(x)
+    elif mode == "fsdpflat":
+        x = keras.layers.Dense(HIDDEN, name="pre")(inputs)
+        for i in range(2):
+            y = keras.layers.Dense(
+                2 * HIDDEN, activation="relu", name=f"b{i}_up"
+            )(x)
+            y = keras.layers.Dense(HIDDEN, name=f"b{i}_down")(y)
+            x = keras.layers.Add(name=f"b{i}_add")([x, y])
     elif mode in ("dp", "fsdp"):
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(inputs)
         x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
@@ -96,9 +108,11 @@ def set_fully_sharded_distribution(mode):
     """`ModelParallel` on an (N,) "batch" mesh, by `fully_sharded_layouts`."""
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((len(devices),), ("batch",), devices)
+    # `fsdpflat` shards every variable, as FSDP2 shards every parameter.
+    min_size = 0 if mode == "fsdpflat" else FSDP_MIN_SIZE
     with keras.StatelessScope():
         layout_map = kd.fully_sharded_layouts(
-            build(mode), mesh, "batch", min_size=FSDP_MIN_SIZE
+            build(mode), mesh, "batch", min_size=min_size
         )
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map)

@@ -56,15 +56,17 @@ Variables sharded over the batch axes (fully sharded layouts) are read
 whole: the watched call reads each one all-gathered (a replicated DTensor
 standing in for its value during the call), and a local call reads the
 local tensor of its all-gathered value. The sharded variables of each
-direct sublayer of the layer form a unit (`gathered_units`): the first
+block of the layer form a unit (`gathered_units`: the repeated segments
+of a functional graph or of the direct sublayers; the rest is the root
+unit, kept gathered until backward is done with it): the first
 read of one of them gathers them all, in one collective where their
 layouts allow it; its gradient, a partial sum over the batch axes, is
 reduce-scattered back to the variables' shards in backward, again one
 collective per unit. A unit then costs one all-gather in forward and one
 reduce-scatter in backward, as FSDP's units do, where DTensor's own
 operators would pick their redistributions operator by operator. A
-gathered value is freed
-once forward is done with it, as FSDP's `reshard_after_forward` does:
+gathered value (but the root unit's) is freed once forward is done with
+it, as FSDP's `reshard_after_forward` does:
 what backward needs of it is saved as a note, and gathered again when
 backward first needs it (saved-tensor hooks; inside a checkpoint, the
 recomputation gathers again instead).
@@ -667,6 +669,8 @@ class _LocalVariables(StatelessScope):
         self.units = units or {}
         # Gathered views of the last gathered unit's variables not read yet.
         self.unread = {}
+        # Gathered views of kept units' variables, for the whole call.
+        self.kept = {}
         # id(unit) -> its `StartedGather`, for units gathered ahead.
         self.prefetched = {}
         # ids of the units gathered, or gathered ahead, in this call.
@@ -694,9 +698,12 @@ class _LocalVariables(StatelessScope):
 
         A variable of a unit takes the view its unit's gather made, unless
         it was read already or another unit was gathered since: then the
-        unit is gathered again.
+        unit is gathered again. A kept unit's views serve every read of
+        the call.
         """
         view = self.unread.pop(id(variable), None)
+        if view is None:
+            view = self.kept.get(id(variable))
         if view is not None:
             return view
         unit = self.units.get(id(variable))
@@ -714,8 +721,13 @@ class _LocalVariables(StatelessScope):
             started = gathered_units.StartedGather(unit.plan, values)
         self._prefetch(unit.next)
         views = gathered_units.GatherUnit.apply(unit.plan, started, *values)
-        self._register(_GatheredSource(unit.plan, values), views)
-        self.unread = {id(v): view for v, view in zip(unit.variables, views)}
+        views = {id(v): view for v, view in zip(unit.variables, views)}
+        if unit.kept:
+            # Saved for backward as they are: not gathered again.
+            self.kept.update(views)
+            return views[id(variable)]
+        self._register(_GatheredSource(unit.plan, values), views.values())
+        self.unread = views
         return self.unread.pop(id(variable))
 
     def _prefetch(self, unit):
@@ -877,13 +889,17 @@ class _Unit:
         variables: the Keras variables, a tuple.
         plan: the `gathered_units.UnitPlan` that gathers them in one
             collective, or None where each one is gathered alone.
-        next: the unit with a plan that follows it in `owned_units`
-            order, gathered ahead when this one is gathered; or None.
+        kept: whether its gathered values are kept for the whole call
+            and for backward (the root unit of a model of blocks), not
+            freed after forward and gathered again.
+        next: the unit with a plan that follows it in order of use,
+            gathered ahead when this one is gathered; or None.
     """
 
-    def __init__(self, variables, values, gradient_placements):
+    def __init__(self, variables, values, gradient_placements, kept=False):
         self.variables = variables
         self.plan = gathered_units.unit_plan(values, gradient_placements)
+        self.kept = kept
         # The unit gathered ahead when this one is gathered (`_units`).
         self.next = None
 
@@ -902,7 +918,30 @@ def _units(layer, sharded, gradient_placements):
     ids = set(values)
     # A layer recomputed whole is one unit, as FSDP wraps a block.
     whole = getattr(layer, "_remat_mode", None) is not None
-    owned = gathered_units.owned_units(layer, lambda v: id(v) in ids, whole)
+    groups = None
+    if not whole:
+        groups = gathered_units.block_units(layer, lambda v: id(v) in ids)
+    if groups is None:
+        groups = _joined_units(layer, values, whole, gradient_placements)
+    units = {}
+    previous = None
+    for group, kept in groups:
+        group_values = [values[id(v)] for v in group]
+        unit = _Unit(group, group_values, gradient_placements, kept)
+        units.update((id(variable), unit) for variable in group)
+        if unit.plan is None:
+            continue
+        if previous is not None:
+            previous.next = unit
+        previous = unit
+    return units
+
+
+def _joined_units(layer, values, whole, gradient_placements):
+    """Units of a layer with no repeated blocks: those of its sublayers
+    (`owned_units`), consecutive ones joined up to the unit cap; a list
+    of `(variables, kept)`, none kept."""
+    owned = gathered_units.owned_units(layer, lambda v: id(v) in values, whole)
     candidates = []
     for owner, group in owned:
         group_values = [values[id(v)] for v in group]
@@ -914,17 +953,7 @@ def _units(layer, sharded, gradient_placements):
     groups = gathered_units.join_small_units(
         candidates, gathered_units.unit_cap_bytes()
     )
-    units = {}
-    previous = None
-    for group in groups:
-        unit = _Unit(group, [values[id(v)] for v in group], gradient_placements)
-        units.update((id(variable), unit) for variable in group)
-        if unit.plan is None:
-            continue
-        if previous is not None:
-            previous.next = unit
-        previous = unit
-    return units
+    return [(group, False) for group in groups]
 
 
 def _same_objects(first, second):

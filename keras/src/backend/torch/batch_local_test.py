@@ -275,13 +275,17 @@ class BatchLocalTest(testing.TestCase):
         with alone as one, by_unit as unit:
             yield lambda: one.call_count + unit.call_count
 
-    def sharded_layer(self, layer, input_shape):
-        """Builds `layer` with its kernels sharded over the batch axis."""
+    def shard_kernels(self):
+        """Sets a distribution that shards kernels over the batch axis."""
         layout_map = distribution_api.LayoutMap(self.mesh)
         layout_map[".*kernel"] = ("batch", None)
         distribution_api.set_distribution(
             distribution_api.ModelParallel(layout_map=layout_map)
         )
+
+    def sharded_layer(self, layer, input_shape):
+        """Builds `layer` with its kernels sharded over the batch axis."""
+        self.shard_kernels()
         layer.build(input_shape)
         for variable in layer.variables:
             if variable.path.endswith("kernel"):
@@ -359,6 +363,40 @@ class BatchLocalTest(testing.TestCase):
         # call, whose saved kernels were not kept, gathers again the second
         # one (the first is not needed: the input needs no gradient).
         self.assertEqual(gathers, [2, 2, 2, 3])
+        self.assertSameCalls(outputs, gradients)
+
+    def test_blocks_of_a_flat_model_are_units_and_the_root_is_kept(self):
+        # A functional model builds its layers as it is made.
+        self.shard_kernels()
+        inputs = layers.Input((4,))
+        x = layers.Dense(4, name="pre")(inputs)
+        for i in range(2):
+            y = layers.Dense(8, activation="relu", name=f"b{i}_up")(x)
+            x = layers.Add()([x, layers.Dense(4, name=f"b{i}_down")(y)])
+        model = models.Model(inputs, layers.Dense(3, name="head")(x))
+        model = self.sharded_layer(model, (None, 4))
+        kernels = [v for v in model.variables if v.path.endswith("kernel")]
+        units = batch_local._units(
+            model, [(k, k._value) for k in kernels], (Partial(),)
+        )
+        paths = {
+            tuple(v.path for v in unit.variables): unit.kept
+            for unit in units.values()
+        }
+        self.assertEqual(
+            paths,
+            {
+                ("pre/kernel", "head/kernel"): True,
+                ("b0_up/kernel", "b0_down/kernel"): False,
+                ("b1_up/kernel", "b1_down/kernel"): False,
+            },
+        )
+        outputs, gradients, gathers = self.watched_then_local(
+            model, self.batch((6, 4))
+        )
+        # The local call gathers its three units in forward; backward
+        # gathers the two blocks again, not the kept root.
+        self.assertEqual(gathers[2:], [3, 5])
         self.assertSameCalls(outputs, gradients)
 
     def test_the_next_unit_is_gathered_ahead(self):

@@ -10,29 +10,36 @@ collective, and cut back into full values; in backward, their gradients
 (partial sums over the batch axis) are packed the same way and
 reduce-scattered in one collective back to each variable's shards.
 
-Which variables form a unit (`units_of`): those of each direct sublayer
-of the layer that runs locally, and those the layer holds itself; all of
-them when the layer is recomputed whole (`remat_layers`). Consecutive
-small units are then joined (`join_small_units`), as DDP fills a bucket:
-while the joined unit's gathered bytes stay within
-`KERAS_DTENSOR_UNIT_CAP_MB` (25 by default; 0 joins nothing), so that a
-flat model of many small layers is not gathered one layer at a time. A
-sublayer recomputed in backward stays a unit of its own. A unit
-is gathered in one collective when all its variables are split evenly
-along one dimension over the same single mesh axis, replicated on the
-others, and share a dtype, and when that axis is the only one that splits
-the batch (`unit_plan`); otherwise each variable is gathered alone, by
-DTensor.
+Which variables form a unit: as FSDP wraps a model's blocks, those of
+each block (`block_units`). The blocks are the repeated segments of the
+layer's calls (`segments_of`, `repeated_runs`): for a functional model,
+its graph cut wherever a single tensor is live (the residual stream
+between two blocks), so that a flat model, every Dense a direct layer of
+it, is gathered block by block; for any other layer, its direct
+sublayers. The sharded variables outside every block (an embedding, a
+head) form the root unit, kept gathered from its first read to the end
+of backward, as FSDP's root is not resharded after forward. A layer with
+no repeated segments takes the units of its direct sublayers, and those
+it holds itself (`owned_units`); all of them when the layer is
+recomputed whole (`remat_layers`); consecutive small ones are joined
+(`join_small_units`), as DDP fills a bucket, while the joined unit's
+gathered bytes stay within `KERAS_DTENSOR_UNIT_CAP_MB` (25 by default; 0
+joins nothing). A sublayer recomputed in backward is a unit of its own.
+A unit is gathered in one collective when all its variables are split
+evenly along one dimension over the same single mesh axis, replicated on
+the others, and share a dtype, and when that axis is the only one that
+splits the batch (`unit_plan`); otherwise each variable is gathered
+alone, by DTensor.
 
 Collectives: a unit's gather is issued at the first read of one of its
 variables in the call, unless it was issued ahead: when a unit is
-gathered in forward, the gather of the next unit (in the order of
-`owned_units`) is issued before the current unit's values are waited for
-and used, as FSDP2 prefetches, so that it overlaps the current unit's
-compute. A prefetched unit that the call never reads is waited for when
-the call ends. A unit's reduce-scatter is issued when autograd reaches
-it. The same program on the same global shapes gives the same order on
-every process.
+gathered in forward, the gather of the next unit (in the order of the
+units' first segments) is issued before the current unit's values are
+waited for and used, as FSDP2 prefetches, so that it overlaps the
+current unit's compute. A prefetched unit that the call never reads is
+waited for when the call ends. A unit's reduce-scatter is issued when
+autograd reaches it. The same program on the same global shapes gives
+the same order on every process.
 """
 
 import os
@@ -92,11 +99,19 @@ class UnitPlan:
 
     def reduce_scatter(self, grads):
         """This process's shards of the sums of full `grads` over the axis."""
-        rows = []
-        for grad, dim in zip(grads, self.dims):
-            chunks = grad.chunk(self.world, dim=dim)
-            rows.append(torch.stack([chunk.reshape(-1) for chunk in chunks]))
-        flat = torch.cat(rows, dim=1).reshape(-1)
+        # Row r of the packed buffer holds, per value, its r-th chunk along
+        # its split dimension: each gradient is copied in once.
+        flat = torch.empty(
+            self.world * sum(self.numels),
+            dtype=grads[0].dtype,
+            device=grads[0].device,
+        )
+        rows = flat.view(self.world, -1).split(self.numels, dim=1)
+        for row, grad, dim, shape in zip(
+            rows, grads, self.dims, self.local_shapes
+        ):
+            chunks = grad.unflatten(dim, (self.world, -1)).movedim(dim, 0)
+            row.view(self.world, *shape).copy_(chunks)
         summed = _wait(
             funcol.reduce_scatter_tensor(
                 flat, "sum", scatter_dim=0, group=self.group
@@ -285,3 +300,211 @@ def unit_cap_bytes():
     """The gathered size up to which consecutive units are joined."""
     megabytes = float(os.environ.get(UNIT_CAP_ENV_VAR, DEFAULT_UNIT_CAP_MB))
     return int(megabytes * 2**20)
+
+
+def segments_of(layer):
+    """The operations a layer calls, in order, cut into segments.
+
+    A functional model's graph is cut after each node that leaves exactly
+    one tensor live (made so far and read later, the model's outputs
+    included): the residual stream between two blocks, whatever the
+    blocks' layers are. Any other layer's direct sublayers are one
+    segment each.
+
+    Args:
+        layer: the layer that runs locally.
+
+    Returns:
+        A list of segments, each a list of operations (layers or ops).
+    """
+    nodes_by_depth = getattr(layer, "_nodes_by_depth", None)
+    if nodes_by_depth is None:
+        flatten = getattr(layer, "_flatten_layers", None)
+        children = () if flatten is None else flatten(False, False)
+        return [[child] for child in children]
+    nodes = [
+        node
+        for depth in sorted(nodes_by_depth, reverse=True)
+        for node in nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+    live = _live_tensors_after(layer, nodes)
+    segments = [[]]
+    for position, node in enumerate(nodes):
+        segments[-1].append(node.operation)
+        if live[position] == 1 and position < len(nodes) - 1:
+            segments.append([])
+    return segments
+
+
+def _live_tensors_after(layer, nodes):
+    """Per node (in call order), how many tensors are live after it."""
+    end = len(nodes)
+    made = {id(tensor): -1 for tensor in layer._inputs}
+    last_read = {id(tensor): end for tensor in layer._outputs}
+    for position, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            last_read[id(tensor)] = max(last_read.get(id(tensor), -1), position)
+        for tensor in node.outputs:
+            made.setdefault(id(tensor), position)
+    # A tensor is live after each node from the one that makes it to the
+    # one before its last reader.
+    change = [0] * (end + 1)
+    for key, first in made.items():
+        last = last_read.get(key, -1)
+        if last > first:
+            change[max(first, 0)] += 1
+            change[last] -= 1
+    live, count = [], 0
+    for position in range(end):
+        count += change[position]
+        live.append(count)
+    return live
+
+
+def repeated_runs(signatures, weights, start=0, stop=None):
+    """The runs of consecutive repeated segments, as a model's blocks.
+
+    The run kept is the one whose repetitions hold the most weight (a
+    segment's weight: its sharded variables), then the shortest period,
+    then the first; the segments before and after it are searched the
+    same way.
+
+    Args:
+        signatures: per segment, a hashable description of it.
+        weights: per segment, its weight; a repetition must hold some.
+        start: the first segment searched.
+        stop: the end of the segments searched (None: all of them).
+
+    Returns:
+        A list of `(start, period, count)`, in order: `count` repetitions
+        of the `period` segments from `start`.
+    """
+    stop = len(signatures) if stop is None else stop
+    best, best_key = None, None
+    for period in range(1, (stop - start) // 2 + 1):
+        for first in range(start, stop - 2 * period + 1):
+            if not sum(weights[first : first + period]):
+                continue
+            pattern = signatures[first : first + period]
+            count = 1
+            while (
+                first + (count + 1) * period <= stop
+                and signatures[
+                    first + count * period : first + (count + 1) * period
+                ]
+                == pattern
+            ):
+                count += 1
+            if count < 2:
+                continue
+            held = sum(weights[first : first + count * period])
+            key = (-held, period, first)
+            if best_key is None or key < best_key:
+                best, best_key = (first, period, count), key
+    if best is None:
+        return []
+    first, period, count = best
+    return (
+        repeated_runs(signatures, weights, start, first)
+        + [best]
+        + repeated_runs(signatures, weights, first + count * period, stop)
+    )
+
+
+def block_units(layer, sharded):
+    """The units of a layer of repeated blocks, as FSDP wraps blocks.
+
+    Each repetition of a run of repeated segments (`segments_of`,
+    `repeated_runs`) is a block, and its sharded variables a unit; the
+    sharded variables outside every block (embeddings, a head, and those
+    the layer holds itself) are the root unit, which is kept gathered
+    from its first read to the end of backward (FSDP's root is not
+    resharded after forward). A sublayer recomputed in backward is a unit
+    of its own (its recomputation gathers it again). A variable shared by
+    several operations belongs to the first one's unit.
+
+    Args:
+        layer: the layer that runs locally.
+        sharded: a predicate telling the sharded variables to gather.
+
+    Returns:
+        None where no segment repeats; else a list of `(variables, kept)`
+        in the order of their first segment: the variables (a tuple), and
+        whether the unit is the root, kept gathered.
+    """
+    segments = segments_of(layer)
+    seen = set()
+    owned = [_sharded_of(segment, sharded, seen) for segment in segments]
+    signatures = [_signature_of(segment) for segment in segments]
+    weights = [len(own) for own in owned]
+    runs = repeated_runs(signatures, weights)
+    if not runs:
+        return None
+    in_block = {}
+    for first, period, count in runs:
+        for repetition in range(count):
+            start = first + repetition * period
+            in_block.update((i, start) for i in range(start, start + period))
+    blocks, root, root_at = {}, [], len(segments)
+    for index, own in enumerate(owned):
+        if index in in_block:
+            blocks.setdefault(in_block[index], []).extend(own)
+        elif own:
+            root.extend(own)
+            root_at = min(root_at, index)
+    root.extend(
+        (None, v) for v in layer.variables if id(v) not in seen and sharded(v)
+    )
+    units = [
+        (start, variables, False)
+        for start, block in blocks.items()
+        for variables, _ in _recomputed_apart(block)
+    ]
+    units.extend(
+        (root_at, variables, not recomputed)
+        for variables, recomputed in _recomputed_apart(root)
+    )
+    units.sort(key=lambda unit: unit[0])
+    return [(variables, kept) for _, variables, kept in units]
+
+
+def _recomputed_apart(owned):
+    """Groups `(operation, variable)` pairs: one group per recomputed
+    operation, then one of the others; `(variables, recomputed)` each."""
+    groups, rest = {}, []
+    for operation, variable in owned:
+        if getattr(operation, "_remat_mode", None) is None:
+            rest.append(variable)
+        else:
+            groups.setdefault(id(operation), []).append(variable)
+    found = [(tuple(group), True) for group in groups.values()]
+    if rest:
+        found.append((tuple(rest), False))
+    return found
+
+
+def _signature_of(operations):
+    """What makes segments repetitions of one another: their operations'
+    classes and variable shapes, in order."""
+    return tuple(
+        (
+            type(operation).__name__,
+            tuple(
+                tuple(variable.shape)
+                for variable in getattr(operation, "variables", ())
+            ),
+        )
+        for operation in operations
+    )
+
+
+def _sharded_of(operations, sharded, seen):
+    """`(operation, variable)` for the sharded variables of operations."""
+    found = []
+    for operation in operations:
+        for variable in getattr(operation, "variables", ()):
+            if id(variable) not in seen and sharded(variable):
+                seen.add(id(variable))
+                found.append((operation, variable))
+    return found

@@ -126,3 +126,55 @@ class GatheredUnitsTest(testing.TestCase):
         # A cap of 0 joins nothing; a unit above the cap stays whole.
         self.assertEqual(join([("k", 1, a), ("k", 1, b)], 0), [a, b])
         self.assertEqual(join([("k", 9, a), ("k", 1, b)], 8), [a, b])
+
+    def test_functional_graph_is_cut_at_single_live_tensors(self):
+        inputs = layers.Input((4,))
+        x = layers.Dense(4, name="pre")(inputs)
+        for i in range(2):
+            y = layers.Dense(8, name=f"b{i}_up")(x)
+            x = layers.Add(name=f"b{i}_add")(
+                [x, layers.Dense(4, name=f"b{i}_down")(y)]
+            )
+        model = models.Model(inputs, layers.Dense(2, name="head")(x))
+        segments = gathered_units.segments_of(model)
+        self.assertEqual(
+            [[op.name for op in segment] for segment in segments],
+            [
+                ["pre"],
+                ["b0_up", "b0_down", "b0_add"],
+                ["b1_up", "b1_down", "b1_add"],
+                ["head"],
+            ],
+        )
+        kernels = {v.path: v for v in model.variables if "kernel" in v.path}
+        ids = {id(v) for v in kernels.values()}
+        units = gathered_units.block_units(model, lambda v: id(v) in ids)
+        self.assertEqual(
+            [([v.path for v in group], kept) for group, kept in units],
+            [
+                (["pre/kernel", "head/kernel"], True),
+                (["b0_up/kernel", "b0_down/kernel"], False),
+                (["b1_up/kernel", "b1_down/kernel"], False),
+            ],
+        )
+
+    def test_a_model_without_repeated_segments_has_no_blocks(self):
+        model = models.Sequential(
+            [layers.Dense(6), layers.Dense(5), layers.Dense(3)]
+        )
+        model.build((None, 4))
+        self.assertIsNone(gathered_units.block_units(model, lambda v: True))
+
+    def test_repeated_runs(self):
+        runs = gathered_units.repeated_runs
+        # An embedding, two blocks of two segments (attention, MLP), a
+        # norm without variables and a head.
+        signatures = list("eamamnh")
+        weights = [1, 4, 2, 4, 2, 0, 1]
+        self.assertEqual(runs(signatures, weights), [(1, 2, 2)])
+        # Two runs of different blocks, found one after the other.
+        self.assertEqual(runs(list("aabccc"), [1] * 6), [(0, 1, 2), (3, 1, 3)])
+        # Repeated segments without weight are no blocks.
+        self.assertEqual(runs(list("xxa"), [0, 0, 1]), [])
+        # The run holding the most weight wins over a longer period's.
+        self.assertEqual(runs(list("abab"), [1, 0, 1, 0]), [(0, 2, 2)])
