@@ -719,8 +719,10 @@ class _LocalVariables(StatelessScope):
         self.started.add(id(unit))
         if started is None:
             started = gathered_units.StartedGather(unit.plan, values)
+        views = gathered_units.gather_unit(unit.plan, started, values)
+        # Issued once this unit's gather is done, so that one gather at a
+        # time is in flight; it runs while this unit computes.
         self._prefetch(unit.next)
-        views = gathered_units.GatherUnit.apply(unit.plan, started, *values)
         views = {id(v): view for v, view in zip(unit.variables, views)}
         if unit.kept:
             # Saved for backward as they are: not gathered again.

@@ -436,16 +436,16 @@ class BatchLocalTest(testing.TestCase):
                 ),
             ):
                 self.call_in_step(model, self.batch((6, 4)))
-        # Each unit's gather is issued before the previous unit's values
-        # are waited for and used; each unit is gathered once.
+        # Each unit's gather is issued once the previous unit's is done,
+        # before that unit's values are used; each unit is gathered once.
         self.assertEqual(
             events,
             [
                 ("start", (4, 6)),
-                ("start", (6, 5)),
                 ("finish", (4, 6)),
-                ("start", (5, 3)),
+                ("start", (6, 5)),
                 ("finish", (6, 5)),
+                ("start", (5, 3)),
                 ("finish", (5, 3)),
             ],
         )

@@ -34,9 +34,10 @@ alone, by DTensor.
 Collectives: a unit's gather is issued at the first read of one of its
 variables in the call, unless it was issued ahead: when a unit is
 gathered in forward, the gather of the next unit (in the order of the
-units' first segments) is issued before the current unit's values are
-waited for and used, as FSDP2 prefetches, so that it overlaps the
-current unit's compute. A prefetched unit that the call never reads is
+units' first segments) is issued as soon as the current unit's gather is
+done, before its values are used, as FSDP2 prefetches, so that it
+overlaps the current unit's compute while one gather at a time is in
+flight. A prefetched unit that the call never reads is
 waited for when the call ends. A unit's reduce-scatter is issued when
 autograd reaches it. The same program on the same global shapes gives
 the same order on every process.
@@ -77,7 +78,7 @@ class UnitPlan:
 
     def gather(self, shards):
         """The full values of local `shards`, by one all-gather."""
-        return self.finish_gather(self.start_gather(shards))
+        return self.unpack(self.finish_gather(self.start_gather(shards)))
 
     def start_gather(self, shards):
         """Issues the all-gather of local `shards`, without waiting.
@@ -88,8 +89,17 @@ class UnitPlan:
         return funcol.all_gather_tensor(flat, gather_dim=0, group=self.group)
 
     def finish_gather(self, started):
-        """The full values, from the result of `start_gather`."""
-        rows = _wait(started).view(self.world, -1)
+        """The gathered rows, one per process, from `start_gather`'s
+        result, waited for."""
+        return _wait(started).view(self.world, -1)
+
+    def unpack(self, rows):
+        """The full values in gathered `rows`.
+
+        Differentiable: autograd packs the values' gradients back into
+        rows, each process's chunks in its row (the layout that
+        `reduce_scatter` takes), freeing each value's gradient as it goes.
+        """
         fulls = []
         pieces = rows.split(self.numels, dim=1)
         for piece, shape, dim in zip(pieces, self.local_shapes, self.dims):
@@ -97,24 +107,12 @@ class UnitPlan:
             fulls.append(torch.cat(pieces_of_value, dim=dim))
         return fulls
 
-    def reduce_scatter(self, grads):
-        """This process's shards of the sums of full `grads` over the axis."""
-        # Row r of the packed buffer holds, per value, its r-th chunk along
-        # its split dimension: each gradient is copied in once.
-        flat = torch.empty(
-            self.world * sum(self.numels),
-            dtype=grads[0].dtype,
-            device=grads[0].device,
-        )
-        rows = flat.view(self.world, -1).split(self.numels, dim=1)
-        for row, grad, dim, shape in zip(
-            rows, grads, self.dims, self.local_shapes
-        ):
-            chunks = grad.unflatten(dim, (self.world, -1)).movedim(dim, 0)
-            row.view(self.world, *shape).copy_(chunks)
+    def reduce_scatter(self, rows):
+        """This process's shards of the sums of packed gradient `rows`
+        (as `unpack`'s gradient packs them) over the axis."""
         summed = _wait(
             funcol.reduce_scatter_tensor(
-                flat, "sum", scatter_dim=0, group=self.group
+                rows.reshape(-1), "sum", scatter_dim=0, group=self.group
             )
         )
         return [
@@ -148,40 +146,46 @@ class StartedGather:
 
 
 class GatherUnit(torch.autograd.Function):
-    """The full local values of a unit's sharded DTensor values.
+    """The gathered rows of a unit's sharded DTensor values.
 
     `started` is the unit's `StartedGather` when it was issued ahead
     (prefetched), else None: forward issues it. Backward reduce-scatters
-    the gradients of the full values (partial sums over the plan's axis)
-    to DTensor gradients laid out like the values.
+    the rows' gradient (partial sums over the plan's axis) to DTensor
+    gradients laid out like the values.
     """
 
     @staticmethod
     def forward(ctx, plan, started, *values):
         ctx.plan = plan
-        ctx.set_materialize_grads(False)
         if started is None:
             started = StartedGather(plan, values)
-        return tuple(plan.finish_gather(started.rows))
+        rows = plan.finish_gather(started.rows)
+        # Held by the rows' views alone: freed once they are unpacked.
+        started.rows = None
+        return rows
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, rows):
         plan = ctx.plan
-        grads = [
-            torch.zeros(
-                spec.shape, dtype=spec.tensor_meta.dtype, device=plan.device
-            )
-            if grad is None
-            else grad
-            for grad, spec in zip(grads, plan.specs)
-        ]
-        shards = plan.reduce_scatter(grads)
+        shards = plan.reduce_scatter(rows)
         return (None, None) + tuple(
             dtensor_layouts.dtensor_from_spec(
                 shard, dtensor_layouts.copy_spec(spec)
             )
             for shard, spec in zip(shards, plan.specs)
         )
+
+
+def gather_unit(plan, started, values):
+    """The full local values of a unit's sharded DTensor `values`.
+
+    One all-gather (issued ahead when `started` is a `StartedGather`);
+    in backward, autograd packs the full values' gradients into rows as
+    they come (a value without a gradient packs zeros), and one
+    reduce-scatter sends each process its shards (`GatherUnit`). As
+    FSDP2 does, no full gradient outlives its packing.
+    """
+    return plan.unpack(GatherUnit.apply(plan, started, *values))
 
 
 def unit_plan(values, gradient_placements):

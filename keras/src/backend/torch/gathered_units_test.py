@@ -35,7 +35,7 @@ class GatheredUnitsTest(testing.TestCase):
         values = [self.sharded((4, 6), 1, 0), self.sharded((6, 2), 0, 1)]
         plan = gathered_units.unit_plan(values, (Partial(),))
         self.assertIsNotNone(plan)
-        fulls = gathered_units.GatherUnit.apply(plan, None, *values)
+        fulls = gathered_units.gather_unit(plan, None, values)
         for full, value in zip(fulls, values):
             self.assertNotIsInstance(full, type(value))
             self.assertAllClose(full.detach(), value.full_tensor().detach())
@@ -51,7 +51,7 @@ class GatheredUnitsTest(testing.TestCase):
     def test_an_unused_value_gets_a_zero_gradient(self):
         values = [self.sharded((4, 6), 0, 0), self.sharded((4,), 0, 1)]
         plan = gathered_units.unit_plan(values, (Partial(),))
-        fulls = gathered_units.GatherUnit.apply(plan, None, *values)
+        fulls = gathered_units.gather_unit(plan, None, values)
         fulls[0].sum().backward()
         self.assertAllClose(values[1].grad.to_local(), np.zeros((4,)))
 
