@@ -14,8 +14,9 @@ block recomputed in backward (`kd.remat_layers(model, r"b\\d+")`). For
 each, per rank:
 
 - peak activation memory of one training step (the third): on CPU, torch's
-  `MemTracker` peak, less the parameters, gradients, optimizer state
-  and buffers live at that peak (what is left is the activations and the
+  `MemTracker` peak, less the parameters, gradients (those waiting in the
+  distribution's gradient buckets included), optimizer state and buffers
+  live at that peak (what is left is the activations and the
   temporaries of forward and backward); on GPU,
   `torch.cuda.max_memory_allocated` during the step less the memory
   allocated before it (parameters, optimizer state);
@@ -48,10 +49,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: E402
 
 import keras  # noqa: E402
 import keras_dtensor as kd  # noqa: E402
 from keras import ops  # noqa: E402
+from keras.src.backend.torch import gradient_buckets  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("dp", "tp", "fsdp")
@@ -174,7 +177,7 @@ def activation_bytes(step, model):
     gc.collect()
     tracker = MemTracker()
     tracker.track_external(model)
-    with tracker:
+    with tracker, _bucket_gradients_counted(tracker):
         step()
     peak = {}
     for categories in tracker.get_tracker_snapshot("peak").values():
@@ -182,6 +185,37 @@ def activation_bytes(step, model):
             name = str(category).rsplit(".", 1)[-1]
             peak[name] = peak.get(name, 0) + nbytes
     return peak["Total"] - sum(peak.get(name, 0) for name in STATE)
+
+
+@contextlib.contextmanager
+def _bucket_gradients_counted(tracker):
+    """Counts the gradients that the gradient buckets hold as gradients.
+
+    A local call's gradients wait in their bucket, then in its flattened
+    buffer, before they reach `.grad`; `MemTracker` would otherwise count
+    them as temporaries (DDP's own buckets hold gradients the same way).
+    """
+
+    def label(tensor):
+        tracker._update_and_maybe_create_winfos(tensor, _MemRefType.GRAD)
+
+    add, launch = gradient_buckets._Bucket.add, gradient_buckets._Bucket.launch
+
+    def counted_add(bucket, parameter, local):
+        add(bucket, parameter, local)
+        label(bucket.entries[bucket.index[id(parameter)]][1])
+
+    def counted_launch(bucket):
+        launch(bucket)
+        label(bucket.flat)
+
+    gradient_buckets._Bucket.add = counted_add
+    gradient_buckets._Bucket.launch = counted_launch
+    try:
+        yield
+    finally:
+        gradient_buckets._Bucket.add = add
+        gradient_buckets._Bucket.launch = launch
 
 
 class _MallInfo2(ctypes.Structure):
