@@ -385,27 +385,27 @@ def repeated_runs(signatures, weights, start=0, stop=None):
         of the `period` segments from `start`.
     """
     stop = len(signatures) if stop is None else stop
+    # held[i]: the weight of the segments before segment i.
+    held = [0]
+    for weight in weights:
+        held.append(held[-1] + weight)
     best, best_key = None, None
     for period in range(1, (stop - start) // 2 + 1):
-        for first in range(start, stop - 2 * period + 1):
-            if not sum(weights[first : first + period]):
-                continue
-            pattern = signatures[first : first + period]
-            count = 1
-            while (
-                first + (count + 1) * period <= stop
-                and signatures[
-                    first + count * period : first + (count + 1) * period
-                ]
-                == pattern
-            ):
-                count += 1
-            if count < 2:
-                continue
-            held = sum(weights[first : first + count * period])
-            key = (-held, period, first)
-            if best_key is None or key < best_key:
-                best, best_key = (first, period, count), key
+        first = start
+        while first + 2 * period <= stop:
+            # Segments from `first` to `end` repeat with this period.
+            end = first + period
+            while end < stop and signatures[end] == signatures[end - period]:
+                end += 1
+            for offset in range(first, min(first + period, end - period)):
+                count = (end - offset) // period
+                if count < 2 or held[offset + period] == held[offset]:
+                    continue
+                key = (held[offset] - held[offset + count * period], period)
+                key += (offset,)
+                if best_key is None or key < best_key:
+                    best, best_key = (offset, period, count), key
+            first = end - period + 1
     if best is None:
         return []
     first, period, count = best
