@@ -37,10 +37,10 @@ gathered in forward, the gather of the next unit (in the order of the
 units' first segments) is issued as soon as the current unit's gather is
 done, before its values are used, as FSDP2 prefetches, so that it
 overlaps the current unit's compute while one gather at a time is in
-flight. A prefetched unit that the call never reads is
-waited for when the call ends. A unit's reduce-scatter is issued when
-autograd reaches it. The same program on the same global shapes gives
-the same order on every process.
+flight. A prefetched unit that the call never reads is waited for when
+the call ends. A unit's reduce-scatter is issued when autograd reaches
+it. The same program on the same global shapes gives the same order on
+every process.
 """
 
 import os
@@ -74,7 +74,6 @@ class UnitPlan:
         self.local_shapes = [value._local_tensor.shape for value in values]
         self.numels = [shape.numel() for shape in self.local_shapes]
         self.specs = [value._spec for value in values]
-        self.device = values[0]._local_tensor.device
 
     def gather(self, shards):
         """The full values of local `shards`, by one all-gather."""
