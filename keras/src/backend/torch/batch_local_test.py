@@ -399,6 +399,40 @@ class BatchLocalTest(testing.TestCase):
         self.assertEqual(gathers[2:], [3, 5])
         self.assertSameCalls(outputs, gradients)
 
+    def test_blocks_with_a_shared_layer_and_two_inputs(self):
+        # The graph is cut only where a single tensor is live: not
+        # between the two inputs' branches. A layer shared by both blocks
+        # belongs to the first block's unit.
+        self.shard_kernels()
+        first, second = layers.Input((4,)), layers.Input((4,))
+        x = layers.Add()([layers.Dense(4, name="a")(first), second])
+        shared = layers.Dense(4, name="shared")
+        for i in range(2):
+            y = layers.Dense(8, activation="relu", name=f"b{i}_up")(x)
+            y = shared(layers.Dense(4, name=f"b{i}_down")(y))
+            x = layers.Add()([x, y])
+        model = models.Model([first, second], layers.Dense(3, name="h")(x))
+        model = self.sharded_layer(model, [(None, 4), (None, 4)])
+        kernels = [v for v in model.variables if v.path.endswith("kernel")]
+        units = batch_local._units(
+            model, [(k, k._value) for k in kernels], (Partial(),)
+        )
+        paths = {
+            tuple(v.path for v in unit.variables): unit.kept
+            for unit in units.values()
+        }
+        self.assertEqual(
+            paths,
+            {
+                ("a/kernel", "h/kernel"): True,
+                ("b0_up/kernel", "b0_down/kernel", "shared/kernel"): False,
+                ("b1_up/kernel", "b1_down/kernel"): False,
+            },
+        )
+        inputs = [self.batch((6, 4)), self.batch((6, 4), seed=1)]
+        outputs, gradients, gathers = self.watched_then_local(model, inputs)
+        self.assertSameCalls(outputs, gradients)
+
     def test_the_next_unit_is_gathered_ahead(self):
         events = []
         start = gathered_units.UnitPlan.start_gather
