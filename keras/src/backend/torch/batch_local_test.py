@@ -484,6 +484,113 @@ class BatchLocalTest(testing.TestCase):
             ],
         )
 
+    def three_blocks(self):
+        """A flat functional model of three residual blocks, sharded."""
+        self.shard_kernels()
+        inputs = layers.Input((4,))
+        x = inputs
+        for i in range(3):
+            y = layers.Dense(8, activation="relu", name=f"b{i}_up")(x)
+            x = layers.Add()([x, layers.Dense(4, name=f"b{i}_down")(y)])
+        return self.sharded_layer(models.Model(inputs, x), (None, 4))
+
+    @contextlib.contextmanager
+    def noting_gathers(self):
+        """Notes, in order, the gathers issued (`start`), waited for
+        (`finish`) and the first of each run of saved uses in backward
+        (`use`), by unit (numbered as first gathered)."""
+        events, plans = [], []
+        start = gathered_units.UnitPlan.start_gather
+        finish = gathered_units.UnitPlan.finish_gather
+
+        def unit_of(plan):
+            if plan not in plans:
+                plans.append(plan)
+            return plans.index(plan)
+
+        def noting_start(plan, shards):
+            events.append(("start", unit_of(plan)))
+            return start(plan, shards)
+
+        def noting_finish(plan, started):
+            events.append(("finish", unit_of(plan)))
+            return finish(plan, started)
+
+        local = batch_local._GatheredSource.local
+
+        def noting_use(source, index):
+            value = local(source, index)
+            if events[-1] != ("use", unit_of(source.plan)):
+                events.append(("use", unit_of(source.plan)))
+            return value
+
+        with (
+            mock.patch.object(
+                gathered_units.UnitPlan,
+                "start_gather",
+                autospec=True,
+                side_effect=noting_start,
+            ),
+            mock.patch.object(
+                gathered_units.UnitPlan,
+                "finish_gather",
+                autospec=True,
+                side_effect=noting_finish,
+            ),
+            mock.patch.object(
+                batch_local._GatheredSource,
+                "local",
+                autospec=True,
+                side_effect=noting_use,
+            ),
+        ):
+            yield events
+
+    def test_backward_gathers_the_previous_unit_ahead(self):
+        model = self.three_blocks()
+        x = self.batch((6, 4))
+        self.call_in_step(model, x)
+        with self.noting_gathers() as events:
+            out = self.call_in_step(model, x)
+            forward = len(events)
+            (out * out).sum().backward()
+        # Forward gathers the three blocks in order. Backward gathers the
+        # last one again and, before its saved values are used, issues
+        # the gather of the one before it; and so on.
+        self.assertEqual(forward, 6)
+        self.assertEqual(
+            events[forward:],
+            [
+                ("start", 2),
+                ("finish", 2),
+                ("start", 1),
+                ("use", 2),
+                ("finish", 1),
+                ("start", 0),
+                ("use", 1),
+                ("finish", 0),
+                ("use", 0),
+            ],
+        )
+
+    def test_a_unit_gathered_ahead_in_backward_but_not_used_is_waited(self):
+        model = self.three_blocks()
+        x = self.batch((6, 4))
+        self.call_in_step(model, x)
+        last_kernel = model.get_layer("b2_down").kernel.value
+        with self.noting_gathers() as events:
+            out = self.call_in_step(model, x)
+            forward = len(events)
+            # Only the last block's gradient: block 1's saved values are
+            # never used, but its gather was issued ahead.
+            torch.autograd.backward((out * out).sum(), inputs=[last_kernel])
+        self.assertEqual(
+            events[forward:],
+            [("start", 2), ("finish", 2), ("start", 1), ("use", 2)]
+            + [("finish", 1)],
+        )
+        self.assertIsNotNone(last_kernel.grad)
+
     def test_a_unit_gathered_ahead_but_not_read_is_waited_for(self):
         class FirstOnly(layers.Layer):
             """Holds two Dense sublayers and calls the first only."""
