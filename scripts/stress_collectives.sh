@@ -3,8 +3,9 @@
 #
 # Usage: scripts/stress_collectives.sh [ITERATIONS]   (default 20)
 #
-# Each iteration launches the training, metrics, callbacks and checkpoint
-# workers of integration_tests/ on 2 gloo processes each (through
+# Each iteration launches the training, metrics, callbacks, checkpoint and
+# (fully sharded) collectives workers of integration_tests/ on 2 gloo
+# processes each (through
 # integration_tests/harness.py: CPU, a fresh port, a hard timeout), while
 # STRESS_HOGS busy loops (default: one per CPU core) load the machine.
 # Odd iterations run with TORCH_DISTRIBUTED_DEBUG=DETAIL (the harness's
@@ -51,6 +52,8 @@ WORKERS = [
     ("metrics_worker.py", ["dp", "mp"]),
     ("callbacks_worker.py", ["dp", "mp"]),
     ("checkpoint_callbacks_worker.py", ["{work}", "dp,mp"]),
+    # Fully sharded steps: gathers in forward and backward, ahead of use.
+    ("collectives_worker.py", ["fsdpflat:adamw", "fsdp:sgd", "fsdpremat:sgd"]),
 ]
 iterations = int(os.environ["STRESS_ITERATIONS"])
 launch_timeout = int(os.environ.get("STRESS_LAUNCH_TIMEOUT", "400"))
