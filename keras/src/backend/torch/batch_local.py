@@ -69,10 +69,7 @@ gathered value (but the root unit's) is freed once forward is done with
 it, as FSDP's `reshard_after_forward` does:
 what backward needs of it is saved as a note, and gathered again when
 backward first needs it (saved-tensor hooks; inside a checkpoint, the
-recomputation gathers again instead). Once that gather is done, the
-gather of the unit before it in forward is issued, when backward will
-need that one too, as FSDP2 prefetches in backward; one issued ahead that
-backward does not use is waited for when backward ends.
+recomputation gathers again instead).
 
 A layer whose call depends on Python state other than its arguments and
 variables, changed between calls, is outside what the watched call
@@ -674,8 +671,6 @@ class _LocalVariables(StatelessScope):
         self.unread = {}
         # Gathered views of kept units' variables, for the whole call.
         self.kept = {}
-        # The `_GatheredSource` of the last unit gathered and freed.
-        self.last_unit_source = None
         # id(unit) -> its `StartedGather`, for units gathered ahead.
         self.prefetched = {}
         # ids of the units gathered, or gathered ahead, in this call.
@@ -759,15 +754,9 @@ class _LocalVariables(StatelessScope):
             super().__exit__(*exc_info)
 
     def _register(self, source, views):
-        """Notes where gathered `views` lie, for the saved-tensor hooks,
-        and which unit was gathered before them."""
+        """Notes where gathered `views` lie, for the saved-tensor hooks."""
         if self.gathered is None:
             return
-        if source.plan is not None:
-            source.previous, self.last_unit_source = (
-                self.last_unit_source,
-                source,
-            )
         for index, view in enumerate(views):
             if not view.is_contiguous():
                 continue
@@ -856,64 +845,24 @@ class _GatheredSource:
         self.offsets = {}
         self.uses = 0
         self.cache = None
-        # The unit source gathered before this one in forward, whose gather
-        # backward issues ahead once this one's is done; or None.
-        self.previous = None
-        # Its gather, issued ahead of its first use in backward.
-        self.started = None
 
     def local(self, index):
         """A gathered local tensor, for one saved use in backward."""
         if self.cache is None:
             with torch.no_grad():
-                self.cache = self._gather()
-            self._gather_previous_ahead()
+                if self.plan is None:
+                    local = _gather(self.values[0])._local_tensor
+                    self.cache = [local.contiguous()]
+                else:
+                    self.cache = self.plan.gather(
+                        [value._local_tensor for value in self.values]
+                    )
         local = self.cache[index]
         self.uses -= 1
         if self.uses == 0:
             # The last saved use: backward frees it after this node.
             self.cache = None
         return local
-
-    def _gather(self):
-        """The gathered local values, by the gather issued ahead if any."""
-        if self.plan is None:
-            return [_gather(self.values[0])._local_tensor.contiguous()]
-        started, self.started = self.started, None
-        if started is None:
-            started = self.plan.start_gather(self._shards())
-        return self.plan.unpack(self.plan.finish_gather(started))
-
-    def _shards(self):
-        return [value._local_tensor for value in self.values]
-
-    def _gather_previous_ahead(self):
-        """Issues the gather of the unit before this one, as FSDP2
-        prefetches in backward, when backward will need it: it runs while
-        this unit's backward computes. A gather issued ahead that backward
-        does not use is waited for when backward ends."""
-        previous = self.previous
-        if (
-            previous is None
-            or previous.uses == 0
-            or previous.cache is not None
-            or previous.started is not None
-        ):
-            return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(
-                previous.wait_unused
-            )
-        except RuntimeError:
-            # Not in a backward pass: nothing is issued ahead.
-            return
-        previous.started = previous.plan.start_gather(previous._shards())
-
-    def wait_unused(self):
-        """Waits for a gather issued ahead that backward did not use."""
-        started, self.started = self.started, None
-        if started is not None:
-            self.plan.finish_gather(started)
 
 
 class _SavedGathered:

@@ -38,11 +38,9 @@ units' first segments) is issued as soon as the current unit's gather is
 done, before its values are used, as FSDP2 prefetches, so that it
 overlaps the current unit's compute while one gather at a time is in
 flight. A prefetched unit that the call never reads is waited for when
-the call ends. In backward, a unit freed after forward is gathered again
-when backward first needs it, and the unit before it (in forward's
-order) is then gathered ahead (`batch_local`). A unit's reduce-scatter
-is issued when autograd reaches it. The same program on the same global
-shapes gives the same order on every process.
+the call ends. A unit's reduce-scatter is issued when autograd reaches
+it. The same program on the same global shapes gives the same order on
+every process.
 """
 
 import os
