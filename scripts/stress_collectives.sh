@@ -52,7 +52,8 @@ WORKERS = [
     ("metrics_worker.py", ["dp", "mp"]),
     ("callbacks_worker.py", ["dp", "mp"]),
     ("checkpoint_callbacks_worker.py", ["{work}", "dp,mp"]),
-    # Fully sharded steps: gathers in forward and backward, ahead of use.
+    # Fully sharded steps: unit gathers in forward (issued ahead) and
+    # again in backward.
     ("collectives_worker.py", ["fsdpflat:adamw", "fsdp:sgd", "fsdpremat:sgd"]),
 ]
 iterations = int(os.environ["STRESS_ITERATIONS"])
