@@ -365,6 +365,18 @@ class BatchLocalTest(testing.TestCase):
         self.assertEqual(gathers, [2, 2, 2, 3])
         self.assertSameCalls(outputs, gradients)
 
+    def unit_paths(self, model):
+        """Per unit of `model`'s sharded kernels, its variables' paths
+        (a tuple) and whether it is kept."""
+        kernels = [v for v in model.variables if v.path.endswith("kernel")]
+        units = batch_local._units(
+            model, [(k, k._value) for k in kernels], (Partial(),)
+        )
+        return {
+            tuple(v.path for v in unit.variables): unit.kept
+            for unit in units.values()
+        }
+
     def test_blocks_of_a_flat_model_are_units_and_the_root_is_kept(self):
         # A functional model builds its layers as it is made.
         self.shard_kernels()
@@ -375,16 +387,8 @@ class BatchLocalTest(testing.TestCase):
             x = layers.Add()([x, layers.Dense(4, name=f"b{i}_down")(y)])
         model = models.Model(inputs, layers.Dense(3, name="head")(x))
         model = self.sharded_layer(model, (None, 4))
-        kernels = [v for v in model.variables if v.path.endswith("kernel")]
-        units = batch_local._units(
-            model, [(k, k._value) for k in kernels], (Partial(),)
-        )
-        paths = {
-            tuple(v.path for v in unit.variables): unit.kept
-            for unit in units.values()
-        }
         self.assertEqual(
-            paths,
+            self.unit_paths(model),
             {
                 ("pre/kernel", "head/kernel"): True,
                 ("b0_up/kernel", "b0_down/kernel"): False,
@@ -413,16 +417,8 @@ class BatchLocalTest(testing.TestCase):
             x = layers.Add()([x, y])
         model = models.Model([first, second], layers.Dense(3, name="h")(x))
         model = self.sharded_layer(model, [(None, 4), (None, 4)])
-        kernels = [v for v in model.variables if v.path.endswith("kernel")]
-        units = batch_local._units(
-            model, [(k, k._value) for k in kernels], (Partial(),)
-        )
-        paths = {
-            tuple(v.path for v in unit.variables): unit.kept
-            for unit in units.values()
-        }
         self.assertEqual(
-            paths,
+            self.unit_paths(model),
             {
                 ("a/kernel", "h/kernel"): True,
                 ("b0_up/kernel", "b0_down/kernel", "shared/kernel"): False,
