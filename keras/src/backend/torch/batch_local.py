@@ -917,12 +917,11 @@ def _units(layer, sharded, gradient_placements):
     if not sharded:
         return {}
     values = {id(variable): value for variable, value in sharded}
-    ids = set(values)
     # A layer recomputed whole is one unit, as FSDP wraps a block.
     whole = getattr(layer, "_remat_mode", None) is not None
     groups = None
     if not whole:
-        groups = gathered_units.block_units(layer, lambda v: id(v) in ids)
+        groups = gathered_units.block_units(layer, lambda v: id(v) in values)
     if groups is None:
         groups = _joined_units(layer, values, whole, gradient_placements)
     units = {}

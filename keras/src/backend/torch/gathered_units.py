@@ -259,14 +259,9 @@ def owned_units(layer, sharded, whole=False):
     children = () if flatten is None or whole else flatten(False, False)
     seen = set()
     for owner in (*children, None):
-        variables = layer.variables if owner is None else owner.variables
-        group = []
-        for variable in variables:
-            if id(variable) not in seen and sharded(variable):
-                seen.add(id(variable))
-                group.append(variable)
-        if group:
-            groups.append((owner, tuple(group)))
+        found = _sharded_of([layer if owner is None else owner], sharded, seen)
+        if found:
+            groups.append((owner, tuple(variable for _, variable in found)))
     return groups
 
 
@@ -456,9 +451,8 @@ def block_units(layer, sharded):
         elif own:
             root.extend(own)
             root_at = min(root_at, index)
-    root.extend(
-        (None, v) for v in layer.variables if id(v) not in seen and sharded(v)
-    )
+    # The layer's own (those of no operation) last.
+    root.extend(_sharded_of([layer], sharded, seen))
     units = [
         (start, variables, False)
         for start, block in blocks.items()
