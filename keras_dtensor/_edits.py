@@ -462,6 +462,33 @@ def edit_loss_call_runs_batch_local(losses_module):
     wrapper_class.call = call
 
 
+def edit_optimizer_apply_on_local_tensors(torch_optimizer_module):
+    """An optimizer step whose tensors are all replicated runs locally.
+
+    `TorchOptimizer.apply` goes through
+    `replicated_updates.apply_on_local_tensors`: where every gradient and
+    every variable the step reads is a replicated DTensor, the step runs
+    on their local tensors, with the values DTensor would compute;
+    otherwise, and without a distribution, it is upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.torch import replicated_updates
+
+    optimizer_class = torch_optimizer_module.TorchOptimizer
+    upstream_apply = optimizer_class.apply
+    current_distribution = distribution_accessor()
+
+    def apply(self, grads, trainable_variables=None):
+        if current_distribution() is None:
+            return upstream_apply(self, grads, trainable_variables)
+        return replicated_updates.apply_on_local_tensors(
+            self, upstream_apply, grads, trainable_variables
+        )
+
+    optimizer_class.apply = apply
+
+
 def edit_layer_call_distributes_inputs(layer_module):
     """A direct call of a model or layer takes the global batch.
 
@@ -1014,6 +1041,9 @@ POST_IMPORT_EDITS = {
         edit_layer_call_distributes_inputs,
     ],
     "keras.src.losses.losses": lambda: [edit_loss_call_runs_batch_local],
+    "keras.src.backend.torch.optimizers.torch_optimizer": lambda: [
+        edit_optimizer_apply_on_local_tensors
+    ],
     # A later keras's torch `nn` module (3.15.1 has no such module).
     "keras.src.backend.torch.ops.nn": lambda: [
         edit_attention_inputs_fit_local_shards

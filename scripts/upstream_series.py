@@ -137,6 +137,11 @@ MODULE_PATCHES = (
         "torch: sharded checkpoints on torch.distributed.checkpoint",
         [T + "distributed_checkpoint.py"],
     ),
+    (
+        "0037-torch-replicated-updates.patch",
+        "torch: optimizer steps on replicated variables run on local tensors",
+        [T + "replicated_updates.py"],
+    ),
 )
 
 

@@ -135,7 +135,7 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         else:
             value = func(*args, **kwargs)
         if type(value) is DTensor and _MaskPartial in map(
-            type, value.placements
+            type, value._spec.placements
         ):
             return _reduce_lookup_result(value)
         return value

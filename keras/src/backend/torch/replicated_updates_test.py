@@ -1,0 +1,199 @@
+"""Tests of `replicated_updates` on a one-process mesh."""
+
+from unittest import mock
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras.src import backend
+from keras.src import optimizers
+from keras.src import testing
+from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import replicated_updates
+from keras.src.distribution import distribution_lib as distribution_api
+
+# Each optimizer with the options that add work to its step: momentum,
+# weight decay, clipping, a moving average, gradient accumulation.
+OPTIMIZERS = {
+    "sgd": lambda: optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optimizers.Adam(0.01, amsgrad=True, clipnorm=0.5),
+    "adamw": lambda: optimizers.AdamW(0.01, weight_decay=0.1, use_ema=True),
+    "nadam": lambda: optimizers.Nadam(0.01),
+    "rmsprop": lambda: optimizers.RMSprop(
+        0.01, momentum=0.5, gradient_accumulation_steps=2
+    ),
+    "lion": lambda: optimizers.Lion(0.01),
+}
+
+
+def _initial_values():
+    rng = np.random.default_rng(0)
+    return [
+        rng.normal(size=(4, 3)).astype("float32"),
+        rng.normal(size=(3,)).astype("float32"),
+    ]
+
+
+def _gradients(step):
+    rng = np.random.default_rng(step + 1)
+    return [
+        rng.normal(size=(4, 3)).astype("float32"),
+        rng.normal(size=(3,)).astype("float32"),
+    ]
+
+
+class ApplyOnLocalTensorsTest(testing.TestCase):
+    """Replicated optimizer steps run on local tensors, with equal values."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        distribution_api.set_distribution(
+            distribution_api.DataParallel(device_mesh=self.mesh)
+        )
+        self.addCleanup(distribution_api.set_distribution, None)
+
+    def replicated(self, value, placements=None):
+        return DTensor.from_local(
+            torch.as_tensor(value),
+            self.mesh.backend_mesh,
+            placements or [Replicate()],
+            run_check=False,
+        )
+
+    def train(self, make_optimizer, steps=3, in_step=False):
+        """Variables and optimizer variables after `steps` updates."""
+        variables = [backend.Variable(v) for v in _initial_values()]
+        optimizer = make_optimizer()
+        for step in range(steps):
+            grads = _gradients(step)
+            if isinstance(variables[0].value, DTensor):
+                grads = [self.replicated(g) for g in grads]
+            else:
+                grads = [torch.as_tensor(g) for g in grads]
+            if in_step:
+                with created_tensors.replicate_created_tensors(self.mesh):
+                    optimizer.apply(grads, variables)
+            else:
+                optimizer.apply(grads, variables)
+        return variables, optimizer
+
+    def values(self, variables):
+        values = []
+        for variable in variables:
+            value = variable.value
+            if isinstance(value, DTensor):
+                self.assertEqual(tuple(value.placements), (Replicate(),))
+                value = value.to_local()
+            values.append(value.detach().numpy().copy())
+        return values
+
+    def test_values_equal_dtensor_and_plain_steps(self):
+        for name, make_optimizer in OPTIMIZERS.items():
+            with self.subTest(name):
+                local_vars, local_opt = self.train(make_optimizer)
+                local_in_step, _ = self.train(make_optimizer, in_step=True)
+                with mock.patch.object(
+                    replicated_updates, "_local_scope", return_value=None
+                ):
+                    dtensor_vars, dtensor_opt = self.train(make_optimizer)
+                distribution_api.set_distribution(None)
+                try:
+                    plain_vars, plain_opt = self.train(make_optimizer)
+                finally:
+                    distribution_api.set_distribution(
+                        distribution_api.DataParallel(device_mesh=self.mesh)
+                    )
+                self.assertIsInstance(local_vars[0].value, DTensor)
+                self.assertNotIsInstance(plain_vars[0].value, DTensor)
+                local = self.values(local_vars + local_opt.variables)
+                in_step = self.values(local_in_step)
+                dtensor = self.values(dtensor_vars + dtensor_opt.variables)
+                plain = self.values(plain_vars + plain_opt.variables)
+                for a, b, c in zip(local, dtensor, plain):
+                    # Bit for bit: the same operators on the same values.
+                    np.testing.assert_array_equal(a, b)
+                    np.testing.assert_array_equal(a, c)
+                for a, b in zip(in_step, local):
+                    np.testing.assert_array_equal(a, b)
+                self.assertEqual(
+                    int(self.values([local_opt._iterations])[0]), 3
+                )
+
+    def test_the_step_reads_local_tensors_and_restores_dtensors(self):
+        variables = [backend.Variable(v) for v in _initial_values()]
+        optimizer = optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(variables)
+        before = [v._value for v in variables + optimizer.variables]
+        seen = {}
+        upstream = optimizer._backend_update_step
+
+        def update_step(grads, trainable_variables, learning_rate):
+            seen["grads"] = [type(g) for g in grads]
+            seen["values"] = [type(v.value) for v in trainable_variables]
+            seen["slots"] = [type(v.value) for v in optimizer.variables]
+            return upstream(grads, trainable_variables, learning_rate)
+
+        grads = [self.replicated(g) for g in _gradients(0)]
+        with mock.patch.object(optimizer, "_backend_update_step", update_step):
+            with created_tensors.replicate_created_tensors(self.mesh):
+                optimizer.apply(grads, variables)
+        self.assertEqual(seen["grads"], [torch.Tensor] * 2)
+        self.assertEqual(seen["values"], [torch.Tensor] * 2)
+        self.assertEqual(set(seen["slots"]), {torch.Tensor})
+        after = [v._value for v in variables + optimizer.variables]
+        for old, new in zip(before, after):
+            self.assertIs(old, new)
+            self.assertIsInstance(new, DTensor)
+
+    def test_values_come_back_when_the_step_raises(self):
+        variables = [backend.Variable(v) for v in _initial_values()]
+        optimizer = optimizers.SGD(0.1)
+        optimizer.build(variables)
+        before = [v._value for v in variables + optimizer.variables]
+        grads = [self.replicated(g) for g in _gradients(0)]
+        with mock.patch.object(
+            optimizer, "_backend_update_step", side_effect=RuntimeError("x")
+        ):
+            with self.assertRaisesRegex(RuntimeError, "x"):
+                optimizer.apply(grads, variables)
+        for old, variable in zip(before, variables + optimizer.variables):
+            self.assertIs(variable._value, old)
+
+    def test_other_placements_keep_the_dtensor_step(self):
+        variables = [backend.Variable(v) for v in _initial_values()]
+        optimizer = optimizers.SGD(0.1)
+        optimizer.build(variables)
+        seen = []
+        upstream = optimizer._backend_update_step
+
+        def update_step(grads, trainable_variables, learning_rate):
+            seen.append([type(g) for g in grads])
+            return upstream(grads, trainable_variables, learning_rate)
+
+        values = _gradients(0)
+        cases = {
+            "sharded gradient": [
+                self.replicated(values[0], [Shard(0)]),
+                self.replicated(values[1]),
+            ],
+            "plain gradient": [
+                torch.as_tensor(values[0]),
+                self.replicated(values[1]),
+            ],
+        }
+        with mock.patch.object(optimizer, "_backend_update_step", update_step):
+            for name, grads in cases.items():
+                with self.subTest(name):
+                    try:
+                        optimizer.apply(grads, variables)
+                    except RuntimeError:
+                        # DTensor refuses to mix a plain tensor in.
+                        pass
+                    self.assertIn(DTensor, seen[-1])
+        self.assertIsNone(
+            replicated_updates._local_scope(optimizer, [], variables)
+        )
