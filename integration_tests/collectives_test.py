@@ -66,6 +66,7 @@ RUNS = [
     "fsdpremat:sgd",
     "fsdpflat:sgd",
     "fsdpflat:adamw",
+    "reduce",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -120,7 +121,40 @@ def test_tensor_parallel_block_needs_one_all_reduce_each_way(
         assert counts(report, run) == {DTENSOR_ALL_REDUCE: 2}
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sum_over_batch_size:0",
+        "sum_over_batch_size:1",
+        "sum:0",
+        "sum:1",
+    ],
+)
+def test_loss_reduction_on_local_tensors_equals_dtensors(reports, case):
+    """Each process reduces its own loss values: the value and the
+    values' gradient have the bits of upstream's reduction on DTensors (2
+    processes: the mean's division by the shard count is exact), with its
+    placements and collectives: a mean is all-reduced once into a
+    replicated value, a sum stays a partial sum."""
+    mean = case.startswith("sum_over_batch_size")
+    for report in reports:
+        local = report[f"reduce/{case}/local"]
+        upstream = report[f"reduce/{case}/dtensor"]
+        assert local["local"] and not upstream["local"]
+        assert local["value"] == upstream["value"]
+        assert local["grad"] == upstream["grad"]
+        assert local["placements"] == upstream["placements"]
+        assert local["placements"] == (["R"] if mean else ["P(sum)"])
+        assert local["counts"] == upstream["counts"]
+        assert local["counts"] == ({DTENSOR_ALL_REDUCE: 1} if mean else {})
+
+
+def test_masked_loss_reduction_keeps_dtensors(reports):
+    for report in reports:
+        assert not report["reduce/masked"]["local"]
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r != "reduce"])
 def test_losses_equal_single_process(reports, run):
     for report in reports:
         np.testing.assert_allclose(

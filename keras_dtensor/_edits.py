@@ -489,6 +489,45 @@ def edit_optimizer_apply_on_local_tensors(torch_optimizer_module):
     optimizer_class.apply = apply
 
 
+def edit_loss_reduction_on_local_tensors(loss_module):
+    """A loss's reduction over a split batch runs on local tensors.
+
+    Inside a distributed step, `reduce_weighted_values` (what
+    `Loss.__call__` reduces per-sample values with) goes through
+    `batch_reductions.reduce_on_local_tensors`: values split evenly along
+    the batch, with no mask, are reduced by each process on its own
+    values and added up by one all-reduce. Elsewhere the reduction is
+    upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.torch import batch_reductions
+
+    upstream_reduce = loss_module.reduce_weighted_values
+    in_eager_step = _in_eager_distributed_step_check()
+
+    def reduce_weighted_values(
+        values,
+        sample_weight=None,
+        mask=None,
+        reduction="sum_over_batch_size",
+        dtype=None,
+    ):
+        if not in_eager_step():
+            return upstream_reduce(
+                values,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=reduction,
+                dtype=dtype,
+            )
+        return batch_reductions.reduce_on_local_tensors(
+            upstream_reduce, values, sample_weight, mask, reduction, dtype
+        )
+
+    loss_module.reduce_weighted_values = reduce_weighted_values
+
+
 def edit_layer_call_distributes_inputs(layer_module):
     """A direct call of a model or layer takes the global batch.
 
@@ -1041,6 +1080,7 @@ POST_IMPORT_EDITS = {
         edit_layer_call_distributes_inputs,
     ],
     "keras.src.losses.losses": lambda: [edit_loss_call_runs_batch_local],
+    "keras.src.losses.loss": lambda: [edit_loss_reduction_on_local_tensors],
     "keras.src.backend.torch.optimizers.torch_optimizer": lambda: [
         edit_optimizer_apply_on_local_tensors
     ],

@@ -172,7 +172,83 @@ def train(mode, optimizer_name, distributed=True):
 CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 
 
+def reductions():
+    """Local loss reductions against upstream's on DTensors, per case.
+
+    Per case (reduction, with or without sample weights) and path (local,
+    or upstream's on DTensors): the bits of the value and of the
+    per-sample values' gradient, the value's placements, the collectives,
+    and whether the values' local tensor was read (the local path). A
+    masked reduction is also reported (it keeps upstream's path).
+    """
+    from unittest import mock
+
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch import batch_reductions
+    from keras.src.backend.torch import created_tensors
+    from keras.src.losses import loss as loss_module
+
+    worker_utils.set_distribution("dp", MP_LAYOUTS)
+    mesh = keras.distribution.distribution().device_mesh
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(BATCH * 2, 3)).astype("float32")
+    weights = rng.uniform(size=(BATCH * 2, 1)).astype("float32")
+
+    def split(array, requires_grad=False):
+        tensor = distribute_tensor(
+            torch.tensor(array), mesh.backend_mesh, [Shard(0)]
+        )
+        return tensor.requires_grad_(requires_grad)
+
+    def reduce(reduction, weighted=False, masked=False, local=True):
+        per_sample = split(values, requires_grad=True)
+        weight = split(weights) if weighted else None
+        mask = split(np.ones(values.shape, dtype=bool)) if masked else None
+        upstream_values = mock.patch.object(
+            torch.distributed.tensor.DTensor,
+            "to_local",
+            autospec=True,
+            side_effect=torch.distributed.tensor.DTensor.to_local,
+        )
+        kept = mock.patch.object(
+            batch_reductions,
+            "_local_plan",
+            **({} if local else {"return_value": None}),
+            wraps=batch_reductions._local_plan,
+        )
+        with CollectiveCounter() as comm, upstream_values as read, kept:
+            with created_tensors.replicate_created_tensors(mesh):
+                value = loss_module.reduce_weighted_values(
+                    per_sample,
+                    sample_weight=weight,
+                    mask=mask,
+                    reduction=reduction,
+                )
+            value.backward()
+        counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+        return {
+            "value": value.full_tensor().detach().numpy().tobytes().hex(),
+            "grad": per_sample.grad.full_tensor().numpy().tobytes().hex(),
+            "placements": [str(p) for p in value.placements],
+            "counts": counts,
+            # The local path reads the values' local tensor.
+            "local": any(c.args[0] is per_sample for c in read.call_args_list),
+        }
+
+    for reduction in ("sum_over_batch_size", "sum"):
+        for weighted in (False, True):
+            case = f"reduce/{reduction}:{int(weighted)}"
+            record(f"{case}/local", reduce(reduction, weighted))
+            record(f"{case}/dtensor", reduce(reduction, weighted, local=False))
+    record("reduce/masked", reduce("sum_over_batch_size", masked=True))
+
+
 def run(spec):
+    if spec == "reduce":
+        return reductions()
     mode, optimizer_name, *caps = spec.split(":")
     for name, cap in zip(CAP_ENV_VARS, caps):
         if cap:

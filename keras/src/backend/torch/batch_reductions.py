@@ -1,0 +1,164 @@
+"""Loss reductions over a split batch, on local tensors and one all-reduce.
+
+A loss's per-sample values in a data-parallel step are a DTensor split
+along the batch. Upstream's reduction (`reduce_weighted_values`: weight,
+sum, divide by the number of values) then runs operator by operator on
+DTensors, each with DTensor's dispatch, and DTensor all-reduces the sum
+where an operator needs it whole.
+
+`reduce_on_local_tensors` computes the same reduction as DDP would: each
+process reduces its own values with upstream's function on plain local
+tensors, and one all-reduce over the batch axes adds the processes'
+results up. For the `"sum"` reduction the global value is the sum of the
+local sums. For `"sum_over_batch_size"` (and `"mean"`), every process
+holds the same number of values, so the global mean is the sum of the
+local means divided by the number of batch shards; with a power of two
+processes that division is exact and the result is the DTensor
+reduction's bit for bit (the local mean divided by the shard count is
+the local sum divided by the global count, rounded once); with another
+count it may differ from it in the last bit. The gradient
+flows back through the all-reduce and the local operators to the local
+values, as DTensor's own gradient of the reduction would.
+
+The result has the placements upstream's reduction gives under DTensor:
+a mean is a replicated DTensor scalar (all-reduced here), a sum a partial
+one (all-reduced where it is used). Anything else (a mask, a weighted
+mean, sample weights not split like the values, an uneven split, values
+not split along their first dimension) takes upstream's reduction on
+DTensors.
+
+Collectives: for a mean, the one all-reduce of the result over the batch
+axes (one per batch axis), where the DTensor reduction issues its own; a
+sum issues none, as the DTensor reduction. Every process takes the same
+path, decided from global shapes and placements.
+"""
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import dtensor_layouts
+
+# Reductions whose global value the local ones add up to (with a scale).
+_LOCAL_REDUCTIONS = ("sum", "sum_over_batch_size", "mean")
+
+
+def reduce_on_local_tensors(
+    upstream_reduce, values, sample_weight, mask, reduction, dtype
+):
+    """`reduce_weighted_values` of split values, locally where exact.
+
+    Args:
+        upstream_reduce: upstream `reduce_weighted_values`.
+        values: the per-sample loss values.
+        sample_weight: sample weights, or None.
+        mask: a mask, or None.
+        reduction: the loss's reduction.
+        dtype: the dtype of the result.
+
+    Returns:
+        What `upstream_reduce` returns for these arguments.
+    """
+    plan = _local_plan(values, sample_weight, mask, reduction)
+    if plan is None:
+        return upstream_reduce(
+            values,
+            sample_weight=sample_weight,
+            mask=mask,
+            reduction=reduction,
+            dtype=dtype,
+        )
+    shards, batch_dims = plan
+    local_weight = None if sample_weight is None else sample_weight.to_local()
+    with created_tensors.suspended():
+        local = upstream_reduce(
+            values.to_local(),
+            sample_weight=local_weight,
+            mask=None,
+            reduction=reduction,
+            dtype=dtype,
+        )
+    mesh = values.device_mesh
+    if reduction == "sum":
+        # As upstream's sum on DTensors: a partial sum, all-reduced where
+        # it is used.
+        placements = [Replicate()] * mesh.ndim
+        for mesh_dim in batch_dims:
+            placements[mesh_dim] = Partial("sum")
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+    with created_tensors.suspended():
+        local = local / shards
+    return _SumOverBatch.apply(local, mesh, batch_dims)
+
+
+def _local_plan(values, sample_weight, mask, reduction):
+    """`(batch shard count, placements of the local results)`, or None.
+
+    None unless the reduction may run locally: inside a distributed step
+    (whose torch function mode is the innermost), an additive reduction,
+    no mask, values of rank 1 or more split evenly along dimension 0 over
+    some mesh axes and replicated over the others, and sample weights that
+    are None or split like the values.
+    """
+    if (
+        reduction not in _LOCAL_REDUCTIONS
+        or mask is not None
+        or type(values) is not DTensor
+        or values.ndim == 0
+        or values.shape[0] == 0
+        or created_tensors.current_mode() is None
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    spec = values._spec
+    if sample_weight is not None and (
+        type(sample_weight) is not DTensor
+        or sample_weight._spec.placements != spec.placements
+        or sample_weight._spec.mesh != spec.mesh
+        or sample_weight.shape[:1] != values.shape[:1]
+    ):
+        return None
+    shards = 1
+    batch_dims = []
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard(0):
+            shards *= spec.mesh.size(mesh_dim)
+            batch_dims.append(mesh_dim)
+        elif not placement.is_replicate():
+            return None
+    if shards == 1 or values.shape[0] % shards:
+        return None
+    return shards, tuple(batch_dims)
+
+
+class _SumOverBatch(torch.autograd.Function):
+    """The sum of every process's local scalar, as a replicated DTensor.
+
+    One all-reduce per batch mesh axis, as DTensor issues them (functional
+    collectives, waited for when the sum is first read); the gradient of
+    each local scalar is the (replicated) gradient of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, local, mesh, batch_dims):
+        total = local.detach()
+        for mesh_dim in batch_dims:
+            total = funcol.all_reduce(total, "sum", mesh.get_group(mesh_dim))
+        replicated = (Replicate(),) * mesh.ndim
+        spec = DTensorSpec(
+            mesh,
+            replicated,
+            tensor_meta=TensorMeta(total.shape, total.stride(), total.dtype),
+        )
+        return dtensor_layouts.dtensor_from_spec(total, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        return grad, None, None
