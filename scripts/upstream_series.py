@@ -142,6 +142,11 @@ MODULE_PATCHES = (
         "torch: optimizer steps on replicated variables run on local tensors",
         [T + "replicated_updates.py"],
     ),
+    (
+        "0039-torch-batch-reductions.patch",
+        "torch: loss reductions over a split batch run on local tensors",
+        [T + "batch_reductions.py"],
+    ),
 )
 
 
