@@ -704,12 +704,17 @@ def edit_metrics_result_in_step_context(trainer_module):
     """Metric results are computed as a step computes its values.
 
     `get_metrics_result` runs after the step, on the metrics' distributed
-    variables; under a distribution it runs in `replicate_created_tensors`,
-    so the index and constant tensors that results make from Python values
-    (`MeanIoU`'s class indices, say) are replicated DTensors too.
+    variables. Where all of them are replicated, it runs on their local
+    tensors (`replicated_updates.result_on_local_tensors`) and returns
+    plain tensors, equal on every process; otherwise it runs in
+    `replicate_created_tensors`, so the index and constant tensors that
+    results make from Python values (`MeanIoU`'s class indices, say) are
+    replicated DTensors too.
     """
     if not _is_torch_backend():
         return
+    from keras.src.backend.torch import replicated_updates
+
     current_distribution = distribution_accessor()
 
     upstream_get_metrics_result = trainer_module.Trainer.get_metrics_result
@@ -718,6 +723,11 @@ def edit_metrics_result_in_step_context(trainer_module):
         distribution = current_distribution()
         if distribution is None:
             return upstream_get_metrics_result(self)
+        results = replicated_updates.result_on_local_tensors(
+            self, upstream_get_metrics_result
+        )
+        if results is not None:
+            return results
         with _torch_distribution_lib().replicate_created_tensors(
             distribution.device_mesh
         ):

@@ -1,31 +1,35 @@
-"""Optimizer steps on replicated variables run on their local tensors.
+"""Computations on replicated variables alone run on their local tensors.
 
 Under a data-parallel distribution every variable is a replicated DTensor,
 and after the gradient buckets every gradient is one too. An optimizer
-step then reads and writes only replicated values, and DTensor runs each
-of its operators on each process's local tensor, which holds the whole
-value: the same operator on the same values everywhere, with no
+step then reads and writes only replicated values, and so do the results
+of metrics, which read only the metrics' variables: DTensor runs each of
+their operators on each process's local tensor, which holds the whole
+value, the same operator on the same values everywhere, with no
 communication. Its dispatch buys nothing, and an optimizer step is
 dozens of operators over lists of tensors.
 
-`apply_on_local_tensors` runs such a step on the local tensors directly:
-for the duration of `optimizer.apply`, every variable the step may read
-(the trainable variables and the optimizer's own: iterations, learning
-rate, slots, accumulators) holds its local tensor as its value, and the
-gradients are passed as their local tensors. The updates write into the
-local tensors, which are the DTensors' own storage, so the variables hold
-the updated values when their DTensor values are put back. Tensors the
-step creates stay plain (the step's `replicate_created_tensors` mode is
-suspended), as in a single-process step.
+`call_on_local_tensors` runs such a computation on the local tensors
+directly: while it runs, every variable it may read holds its local
+tensor as its value (for an optimizer step, `apply_on_local_tensors`:
+the trainable variables and the optimizer's own, iterations, learning
+rate, slots and accumulators, with the gradients passed as their local
+tensors; for metric results, `result_on_local_tensors`: the metrics'
+variables). Updates write into the local tensors, which are the
+DTensors' own storage, so the variables hold the updated values when
+their DTensor values are put back. Tensors the computation creates stay
+plain (the step's `replicate_created_tensors` mode is suspended), as in
+a single-process step; metric results are plain tensors, equal on every
+process.
 
-The values are those of the DTensor step: with replicated operands only,
-DTensor's sharding propagation makes every output replicated and
-computes it with the same local operator. Any other case (a sharded
-variable or gradient, a partial gradient, a variable that is not a
-DTensor, a stateless scope, a compiled step) runs the step on DTensors
-as before.
+The values are those of the DTensor computation: with replicated
+operands only, DTensor's sharding propagation makes every output
+replicated and computes it with the same local operator. Any other case
+(a sharded variable or gradient, a partial gradient, a variable that is
+not a DTensor, a stateless scope, a compiled step) runs on DTensors as
+before.
 
-Collectives: none, here or in the DTensor step it replaces.
+Collectives: none, here or in the DTensor computation it replaces.
 """
 
 import contextlib
@@ -52,48 +56,57 @@ def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
     """
     if variables is not None:
         variables = list(variables)
-    scope = _local_scope(optimizer, grads, variables)
-    if scope is None:
+    held = None
+    if optimizer.built and grads:
+        trainable = optimizer._trainable_variables
+        if variables is not None:
+            trainable = variables
+        held = held_values(list(trainable) + optimizer.variables, grads)
+    if held is None:
         return upstream_apply(optimizer, grads, variables)
-    suspended, held = scope
     local_grads = [None if g is None else g._local_tensor for g in grads]
-    try:
-        for variable, value in held:
-            variable._value = value._local_tensor
-        with suspended:
-            return upstream_apply(optimizer, local_grads, variables)
-    finally:
-        # In reverse: a variable listed twice gets its first value back.
-        for variable, value in reversed(held):
-            variable._value = value
+    return call_on_local_tensors(
+        held, upstream_apply, optimizer, local_grads, variables
+    )
 
 
-def _local_scope(optimizer, grads, variables):
-    """`(suspension context, [(variable, DTensor value)])`, or None.
+def result_on_local_tensors(trainer, upstream_get_metrics_result):
+    """Runs `trainer.get_metrics_result()` on local tensors if it may.
 
-    None unless the step may run on local tensors: the optimizer is built,
-    the step is eager and outside any stateless scope, and every gradient
-    and every value the step may read is a replicated DTensor.
+    Metric results read only the metrics' variables. Where all of them
+    are replicated DTensors, the results are computed on their local
+    tensors, and are plain tensors, equal on every process.
+
+    Returns:
+        The results, or None where some variable is not replicated (the
+        caller then computes them on DTensors).
+    """
+    held = held_values(trainer.metrics_variables)
+    if held is None:
+        return None
+    return call_on_local_tensors(held, upstream_get_metrics_result, trainer)
+
+
+def held_values(variables, tensors=()):
+    """`[(variable, value)]` for a local run, or None.
+
+    None unless every variable's value and every tensor of `tensors` (None
+    entries aside) is a replicated DTensor, outside a stateless scope and
+    compilation, and outside a distributed step or in one whose torch
+    function mode is the innermost.
     """
     if (
-        not optimizer.built
-        or not grads
-        or torch.compiler.is_compiling()
+        torch.compiler.is_compiling()
         or in_stateless_scope()
+        or (
+            created_tensors.replicating_created_tensors()
+            and created_tensors.current_mode() is None
+        )
     ):
         return None
-    if created_tensors.replicating_created_tensors():
-        if created_tensors.current_mode() is None:
-            return None
-        suspended = created_tensors.suspended()
-    else:
-        suspended = contextlib.nullcontext()
-    if variables is None:
-        variables = optimizer._trainable_variables
     held = [(v, v._value) for v in variables]
-    held.extend((v, v._value) for v in optimizer.variables)
     replicated = None
-    for tensor in [value for _, value in held] + list(grads):
+    for tensor in [value for _, value in held] + list(tensors):
         if tensor is None:
             continue
         if not isinstance(tensor, DTensor):
@@ -103,4 +116,28 @@ def _local_scope(optimizer, grads, variables):
             replicated = (Replicate(),) * len(placements)
         if placements != replicated:
             return None
-    return suspended, held
+    return held
+
+
+def call_on_local_tensors(held, function, *args):
+    """Calls `function(*args)` with each variable of `held` reading its
+    value's local tensor, the step's torch function mode suspended.
+
+    Args:
+        held: what `held_values` returned.
+        function: the function.
+        *args: its arguments.
+    """
+    if created_tensors.replicating_created_tensors():
+        suspended = created_tensors.suspended()
+    else:
+        suspended = contextlib.nullcontext()
+    try:
+        for variable, value in held:
+            variable._value = value._local_tensor
+        with suspended:
+            return function(*args)
+    finally:
+        # In reverse: a variable listed twice gets its first value back.
+        for variable, value in reversed(held):
+            variable._value = value

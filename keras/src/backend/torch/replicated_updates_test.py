@@ -97,7 +97,7 @@ class ApplyOnLocalTensorsTest(testing.TestCase):
                 local_vars, local_opt = self.train(make_optimizer)
                 local_in_step, _ = self.train(make_optimizer, in_step=True)
                 with mock.patch.object(
-                    replicated_updates, "_local_scope", return_value=None
+                    replicated_updates, "held_values", return_value=None
                 ):
                     dtensor_vars, dtensor_opt = self.train(make_optimizer)
                 distribution_api.set_distribution(None)
@@ -195,5 +195,70 @@ class ApplyOnLocalTensorsTest(testing.TestCase):
                         pass
                     self.assertIn(DTensor, seen[-1])
         self.assertIsNone(
-            replicated_updates._local_scope(optimizer, [], variables)
+            replicated_updates.held_values(
+                variables, [self.replicated(values[0], [Shard(0)])]
+            )
+        )
+
+
+class ResultOnLocalTensorsTest(testing.TestCase):
+    """Metric results of replicated variables are computed locally."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        distribution_api.set_distribution(
+            distribution_api.DataParallel(device_mesh=self.mesh)
+        )
+        self.addCleanup(distribution_api.set_distribution, None)
+
+    def test_results_are_plain_and_variables_come_back(self):
+        from keras.src import metrics
+
+        mean = metrics.Mean(name="mean")
+        iou = metrics.MeanIoU(num_classes=3, name="iou")
+        mean.total.assign(6.0)
+        mean.count.assign(4.0)
+        iou.total_cm.assign(
+            np.array([[2, 1, 0], [0, 3, 0], [1, 0, 1]], "float32")
+        )
+        trainer = mock.Mock(metrics_variables=mean.variables + iou.variables)
+        values = [v._value for v in trainer.metrics_variables]
+        for value in values:
+            self.assertIsInstance(value, DTensor)
+
+        def get_metrics_result(owner):
+            self.assertIs(owner, trainer)
+            return {"mean": mean.result(), "iou": iou.result()}
+
+        with created_tensors.replicate_created_tensors(self.mesh):
+            results = replicated_updates.result_on_local_tensors(
+                trainer, get_metrics_result
+            )
+        for result in results.values():
+            self.assertNotIsInstance(result, DTensor)
+        self.assertAllClose(results["mean"], 1.5)
+        # Per class intersection over union: 2/4, 3/4, 1/2.
+        self.assertAllClose(results["iou"], (0.5 + 0.75 + 0.5) / 3)
+        for value, variable in zip(values, trainer.metrics_variables):
+            self.assertIs(variable._value, value)
+        # On DTensors (as a sharded variable would make it), the same.
+        with created_tensors.replicate_created_tensors(self.mesh):
+            expected = get_metrics_result(trainer)
+        self.assertAllClose(expected["iou"].full_tensor(), results["iou"])
+
+    def test_a_sharded_variable_keeps_dtensors(self):
+        from keras.src import metrics
+
+        mean = metrics.Mean()
+        sharded = backend.Variable(np.zeros((2,), "float32"))
+        sharded._value = DTensor.from_local(
+            sharded._value.to_local(),
+            self.mesh.backend_mesh,
+            [Shard(0)],
+            run_check=False,
+        )
+        trainer = mock.Mock(metrics_variables=mean.variables + [sharded])
+        self.assertIsNone(
+            replicated_updates.result_on_local_tensors(trainer, mock.Mock())
         )
