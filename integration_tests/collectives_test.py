@@ -46,6 +46,13 @@ the count of each collective (counts, not times):
   the root is not gathered again), 3 reduce-scatters, the loss's
   all-reduce, and no gradient bucket.
 The losses equal a single-process run's.
+
+Two more runs check the local paths of a DataParallel step against
+DTensor's own: `reduce`, a loss reduction over split values computed on
+each process's values (the bits, placements, collectives and gradients
+of upstream's reduction on DTensors), and `rows`, a global batch cut
+into this process's rows by a plan made once per shape (the DTensor of
+`distribute_tensor`).
 """
 
 import harness
@@ -67,6 +74,7 @@ RUNS = [
     "fsdpflat:sgd",
     "fsdpflat:adamw",
     "reduce",
+    "rows",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -154,7 +162,20 @@ def test_masked_loss_reduction_keeps_dtensors(reports):
         assert not report["reduce/masked"]["local"]
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r != "reduce"])
+@pytest.mark.parametrize("case", ["even", "uneven", "int"])
+def test_batch_rows_equal_distribute_tensor(reports, case):
+    """A global batch split evenly over the batch axis is cut by a plan
+    made once per shape: the same rows, placements, shape and stride as
+    `distribute_tensor`; an uneven split keeps `distribute_tensor`."""
+    for report in reports:
+        rows = report[f"rows/{case}"]
+        assert rows["planned"] == (case != "uneven")
+        assert rows["made"] == rows["expected"]
+
+
+@pytest.mark.parametrize(
+    "run", [r for r in RUNS if r not in ("reduce", "rows")]
+)
 def test_losses_equal_single_process(reports, run):
     for report in reports:
         np.testing.assert_allclose(

@@ -246,9 +246,58 @@ def reductions():
     record("reduce/masked", reduce("sum_over_batch_size", masked=True))
 
 
+def batch_rows():
+    """This process's rows of global batches, planned once per shape,
+    against DTensor's `distribute_tensor`, per case: the local rows, the
+    placements, global shape and stride, and whether the plan made them."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch import batch_distribution
+    from keras.src.backend.torch import dtensor_layouts
+
+    worker_utils.set_distribution("dp", MP_LAYOUTS)
+    distribution = keras.distribution.distribution()
+    rng = np.random.default_rng(5)
+    cases = {
+        "even": rng.normal(size=(BATCH * 2, 3)).astype("float32"),
+        "uneven": rng.normal(size=(BATCH * 2 - 1, 3)).astype("float32"),
+        "int": rng.integers(0, 9, size=(BATCH * 2,)),
+    }
+    for name, array in cases.items():
+        batch = torch.tensor(array)
+        layout = distribution.get_data_layout(batch.shape)
+        backend = dtensor_layouts.backend_layout(layout)
+        planned = batch_distribution._even_rows(batch, layout)
+        made = batch_distribution.distribute_global_batch(batch, layout)
+        expected = distribute_tensor(
+            batch, backend.mesh, backend.placements, src_data_rank=None
+        )
+
+        def described(value):
+            return [
+                value.to_local().tolist(),
+                [str(p) for p in value.placements],
+                list(value.shape),
+                list(value.stride()),
+                str(value.dtype),
+            ]
+
+        record(
+            f"rows/{name}",
+            {
+                "planned": planned is not None,
+                "made": described(made),
+                "expected": described(expected),
+            },
+        )
+
+
 def run(spec):
     if spec == "reduce":
         return reductions()
+    if spec == "rows":
+        return batch_rows()
     mode, optimizer_name, *caps = spec.split(":")
     for name, cap in zip(CAP_ENV_VARS, caps):
         if cap:

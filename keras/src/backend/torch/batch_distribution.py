@@ -12,7 +12,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import tree
@@ -35,6 +38,9 @@ def distribute_global_batch(global_batch, layout):
     Returns:
         A DTensor holding the global batch.
     """
+    rows = _even_rows(global_batch, layout)
+    if rows is not None:
+        return rows
     layout = dtensor_layouts.backend_layout(layout)
     value = to_device_tensor(global_batch, layout.mesh)
     if isinstance(value, DTensor):
@@ -42,6 +48,89 @@ def distribute_global_batch(global_batch, layout):
     return distribute_tensor(
         value, layout.mesh, layout.placements, src_data_rank=None
     )
+
+
+# (id of a Keras mesh, layout axes, shape, dtype, device) -> `_RowsPlan`.
+_ROWS_PLANS = {}
+# Plans kept at most (shapes seldom vary: a last, smaller batch).
+_MAX_ROWS_PLANS = 64
+
+
+class _RowsPlan:
+    """Where this process's equal share of a batch's rows lies."""
+
+    def __init__(self, keras_mesh, start=0, size=0, spec=None):
+        self.keras_mesh = keras_mesh
+        self.start = start
+        self.size = size
+        self.spec = spec
+
+
+def _even_rows(global_batch, layout):
+    """This process's rows of a tensor batch as a DTensor, or None.
+
+    The common case of `distribute_tensor`, planned once per Keras layout,
+    shape, dtype and device: a Keras `TensorLayout` that splits dimension
+    0 over one mesh axis (replicated over the others) into equal parts, of
+    a tensor on the mesh's device that requires no gradient. None in any
+    other case.
+    """
+    if (
+        type(global_batch) is not torch.Tensor
+        or global_batch.requires_grad
+        or global_batch.ndim == 0
+        or not hasattr(layout, "axes")
+    ):
+        return None
+    key = (
+        id(layout.device_mesh),
+        tuple(layout.axes),
+        tuple(global_batch.shape),
+        global_batch.dtype,
+        global_batch.device,
+    )
+    plan = _ROWS_PLANS.get(key)
+    if plan is None or plan.keras_mesh is not layout.device_mesh:
+        plan = _rows_plan(global_batch, layout)
+        if len(_ROWS_PLANS) >= _MAX_ROWS_PLANS:
+            _ROWS_PLANS.clear()
+        _ROWS_PLANS[key] = plan
+    if plan.spec is None:
+        return None
+    local = global_batch.narrow(0, plan.start, plan.size)
+    return dtensor_layouts.dtensor_from_spec(
+        local, dtensor_layouts.copy_spec(plan.spec)
+    )
+
+
+def _rows_plan(global_batch, layout):
+    """The `_RowsPlan` of `_even_rows`; without a spec where it does not
+    apply."""
+    backend = dtensor_layouts.backend_layout(layout)
+    mesh, placements = backend.mesh, tuple(backend.placements)
+    plan = _RowsPlan(layout.device_mesh)
+    split = [i for i, p in enumerate(placements) if not p.is_replicate()]
+    if (
+        len(split) != 1
+        or type(placements[split[0]]) is not Shard
+        or placements[split[0]].dim != 0
+        or to_device_tensor(global_batch, mesh).device != global_batch.device
+    ):
+        return plan
+    (mesh_dim,) = split
+    parts = mesh.size(mesh_dim)
+    if global_batch.shape[0] % parts:
+        return plan
+    plan.size = global_batch.shape[0] // parts
+    plan.start = mesh.get_local_rank(mesh_dim) * plan.size
+    plan.spec = DTensorSpec(
+        mesh,
+        placements,
+        tensor_meta=TensorMeta(
+            global_batch.shape, global_batch.stride(), global_batch.dtype
+        ),
+    )
+    return plan
 
 
 def distribute_data(data, distribution):

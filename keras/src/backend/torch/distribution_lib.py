@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
 
 from keras.src import tree
@@ -308,8 +309,16 @@ def assign_to_variable(parameter, value):
         value: a torch tensor, numpy array or DTensor of the same shape.
     """
     batch_local.note_effect()
+    spec = parameter._spec
+    replicated = (Replicate(),) * len(spec.placements)
+    if not isinstance(value, DTensor) and spec.placements == replicated:
+        # Every process holds the whole value: no slicing to do.
+        local = parameter._local_tensor
+        with torch.no_grad():
+            local.copy_(torch.as_tensor(value, device=local.device))
+        return
     layout = dtensor_layouts.DTensorLayout(
-        parameter.device_mesh, tuple(parameter.placements), None, None
+        spec.mesh, tuple(spec.placements), None, None
     )
     if isinstance(value, DTensor):
         value = dtensor_layouts.relayout(value, layout)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras.src import backend
@@ -146,9 +147,18 @@ class SingleProcessDistributionTest(testing.TestCase):
             distribution_api.DataParallel(devices=["cpu:0"])
         )
         variable = backend.Variable(np.zeros((2, 3)), dtype="float32")
+        parameter = variable.value
         variable.assign(np.ones((2, 3)))
         self.assertIsInstance(variable.value, DTensor)
         self.assertAllClose(variable.numpy(), np.ones((2, 3)))
+        # A replicated parameter takes plain values in place, cast to its
+        # dtype, whatever their type.
+        variable.assign(torch.full((2, 3), 2.0, dtype=torch.float64))
+        self.assertIs(variable.value, parameter)
+        self.assertEqual(variable.value.dtype, torch.float32)
+        self.assertEqual(tuple(variable.value.placements), (Replicate(),))
+        self.assertAllClose(variable.numpy(), np.full((2, 3), 2.0))
+        variable.assign(np.ones((2, 3)))
         self.assertAllClose(
             convert_to_numpy([variable.value, variable.value]),
             np.ones((2, 2, 3)),
