@@ -45,8 +45,8 @@ def _gradients(step):
     ]
 
 
-class ApplyOnLocalTensorsTest(testing.TestCase):
-    """Replicated optimizer steps run on local tensors, with equal values."""
+class _OneProcessDataParallelTest(testing.TestCase):
+    """Runs each test under `DataParallel` on a one-process mesh."""
 
     def setUp(self):
         super().setUp()
@@ -55,6 +55,10 @@ class ApplyOnLocalTensorsTest(testing.TestCase):
             distribution_api.DataParallel(device_mesh=self.mesh)
         )
         self.addCleanup(distribution_api.set_distribution, None)
+
+
+class ApplyOnLocalTensorsTest(_OneProcessDataParallelTest):
+    """Replicated optimizer steps run on local tensors, with equal values."""
 
     def replicated(self, value, placements=None):
         return DTensor.from_local(
@@ -201,16 +205,8 @@ class ApplyOnLocalTensorsTest(testing.TestCase):
         )
 
 
-class ResultOnLocalTensorsTest(testing.TestCase):
+class ResultOnLocalTensorsTest(_OneProcessDataParallelTest):
     """Metric results of replicated variables are computed locally."""
-
-    def setUp(self):
-        super().setUp()
-        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
-        distribution_api.set_distribution(
-            distribution_api.DataParallel(device_mesh=self.mesh)
-        )
-        self.addCleanup(distribution_api.set_distribution, None)
 
     def test_results_are_plain_and_variables_come_back(self):
         from keras.src import metrics
