@@ -73,13 +73,13 @@ def _even_rows(global_batch, layout):
     shape, dtype and device: a Keras `TensorLayout` that splits dimension
     0 over one mesh axis (replicated over the others) into equal parts, of
     a tensor on the mesh's device that requires no gradient. None in any
-    other case.
+    other case (a `DTensorLayout` among them).
     """
     if (
         type(global_batch) is not torch.Tensor
         or global_batch.requires_grad
         or global_batch.ndim == 0
-        or not hasattr(layout, "axes")
+        or getattr(layout, "device_mesh", None) is None
     ):
         return None
     key = (

@@ -164,6 +164,18 @@ class SingleProcessDistributionTest(testing.TestCase):
             np.ones((2, 2, 3)),
         )
 
+    def test_global_batch_takes_keras_and_backend_layouts(self):
+        from keras.src.backend.torch import batch_distribution
+        from keras.src.backend.torch import dtensor_layouts
+
+        layout = distribution_api.TensorLayout(("model", None), self.mesh)
+        batch = torch.arange(8.0).reshape(4, 2)
+        for given in (layout, dtensor_layouts.backend_layout(layout)):
+            value = batch_distribution.distribute_global_batch(batch, given)
+            self.assertIsInstance(value, DTensor)
+            self.assertEqual(tuple(value.shape), (4, 2))
+            self.assertAllClose(value.full_tensor(), batch)
+
     def test_distribute_tensor_skips_symbolic_and_none(self):
         layout = distribution_api.TensorLayout((None,), self.mesh)
         symbolic = backend.KerasTensor((2,))
