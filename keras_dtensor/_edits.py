@@ -489,6 +489,38 @@ def edit_optimizer_apply_on_local_tensors(torch_optimizer_module):
     optimizer_class.apply = apply
 
 
+def edit_metric_update_on_local_tensors(reduction_metrics):
+    """A `Mean` or `Sum` updated with replicated values updates locally.
+
+    `Mean.update_state` and `Sum.update_state` go through
+    `replicated_updates.update_on_local_tensors` under a distribution:
+    where the metric's variables and the values and weights are all
+    replicated DTensors (the trainer's loss tracker and the step's loss,
+    say), the update runs on their local tensors; otherwise, and without a
+    distribution, it is upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.torch import replicated_updates
+
+    current_distribution = distribution_accessor()
+
+    def local_update(metric_class):
+        upstream_update = metric_class.update_state
+
+        def update_state(self, values, sample_weight=None):
+            if current_distribution() is None:
+                return upstream_update(self, values, sample_weight)
+            return replicated_updates.update_on_local_tensors(
+                self, upstream_update, values, sample_weight
+            )
+
+        metric_class.update_state = update_state
+
+    local_update(reduction_metrics.Mean)
+    local_update(reduction_metrics.Sum)
+
+
 def edit_loss_reduction_on_local_tensors(loss_module):
     """A loss's reduction over a split batch runs on local tensors.
 
@@ -1091,6 +1123,9 @@ POST_IMPORT_EDITS = {
     ],
     "keras.src.losses.losses": lambda: [edit_loss_call_runs_batch_local],
     "keras.src.losses.loss": lambda: [edit_loss_reduction_on_local_tensors],
+    "keras.src.metrics.reduction_metrics": lambda: [
+        edit_metric_update_on_local_tensors
+    ],
     "keras.src.backend.torch.optimizers.torch_optimizer": lambda: [
         edit_optimizer_apply_on_local_tensors
     ],

@@ -33,6 +33,7 @@ Collectives: none, here or in the DTensor computation it replaces.
 """
 
 import contextlib
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -85,6 +86,42 @@ def result_on_local_tensors(trainer, upstream_get_metrics_result):
     if held is None:
         return None
     return call_on_local_tensors(held, upstream_get_metrics_result, trainer)
+
+
+def update_on_local_tensors(metric, upstream_update, values, sample_weight):
+    """Runs a `Mean`'s or `Sum`'s `update_state` locally if it may.
+
+    Such an update reads only its arguments and the metric's variables.
+    Where the variables and the tensor arguments are all replicated
+    DTensors (the loss of a step, reduced over the batch, is one), the
+    update runs on their local tensors; arguments that are not tensors
+    (the trainer passes the batch size as a Python number) are passed as
+    they are, and become plain tensors where DTensor would have made
+    replicated ones of the same values.
+
+    Args:
+        metric: the metric.
+        upstream_update: upstream `update_state` (unbound).
+        values: the values, as `update_state` takes them.
+        sample_weight: the sample weights, or None.
+
+    Returns:
+        What `upstream_update` returns.
+    """
+    tensors = [
+        x for x in (values, sample_weight) if isinstance(x, torch.Tensor)
+    ]
+    held = None
+    if all(getattr(x, "_keras_mask", None) is None for x in tensors):
+        held = held_values(metric.variables, tensors)
+    if held is None:
+        return upstream_update(metric, values, sample_weight=sample_weight)
+    values, sample_weight = (
+        x._local_tensor if isinstance(x, torch.Tensor) else x
+        for x in (values, sample_weight)
+    )
+    update = functools.partial(upstream_update, sample_weight=sample_weight)
+    return call_on_local_tensors(held, update, metric, values)
 
 
 def held_values(variables, tensors=()):

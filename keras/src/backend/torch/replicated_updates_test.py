@@ -258,3 +258,91 @@ class ResultOnLocalTensorsTest(_OneProcessDataParallelTest):
         self.assertIsNone(
             replicated_updates.result_on_local_tensors(trainer, mock.Mock())
         )
+
+
+class UpdateOnLocalTensorsTest(_OneProcessDataParallelTest):
+    """`Mean` and `Sum` updated with replicated values update locally."""
+
+    def replicated(self, value, placements=None):
+        return DTensor.from_local(
+            torch.as_tensor(value),
+            self.mesh.backend_mesh,
+            placements or [Replicate()],
+            run_check=False,
+        )
+
+    def updated(self, make_metric, values, sample_weight, local=True):
+        """The metric's variables after two updates in a step."""
+        metric = make_metric()
+        with created_tensors.replicate_created_tensors(self.mesh):
+            for _ in range(2):
+                if local:
+                    metric.update_state(values, sample_weight=sample_weight)
+                    continue
+                with mock.patch.object(
+                    replicated_updates, "held_values", return_value=None
+                ):
+                    metric.update_state(values, sample_weight=sample_weight)
+        return metric
+
+    def test_values_equal_the_dtensor_update(self):
+        from keras.src import metrics
+
+        loss = self.replicated(np.float32(0.7310586))
+        rows = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+        cases = {
+            "loss tracker": (loss, 16),
+            "rows and weights": (
+                self.replicated(rows),
+                self.replicated(np.array([1.0, 0.5, 0.0, 2.0], "float32")),
+            ),
+            "no weights": (self.replicated(rows), None),
+        }
+        for name, (values, sample_weight) in cases.items():
+            for make_metric in (metrics.Mean, metrics.Sum):
+                with self.subTest(name, metric=make_metric.__name__):
+                    seen = []
+                    upstream = created_tensors.suspended
+
+                    def suspended():
+                        seen.append(True)
+                        return upstream()
+
+                    with mock.patch.object(
+                        created_tensors, "suspended", suspended
+                    ):
+                        local = self.updated(make_metric, values, sample_weight)
+                    dtensor = self.updated(
+                        make_metric, values, sample_weight, local=False
+                    )
+                    # Once per update: the update ran on local tensors.
+                    self.assertEqual(len(seen), 2)
+                    for a, b in zip(local.variables, dtensor.variables):
+                        self.assertIsInstance(a.value, DTensor)
+                        self.assertEqual(
+                            tuple(a.value.placements), (Replicate(),)
+                        )
+                        # Bit for bit: the same operators on the same
+                        # values.
+                        np.testing.assert_array_equal(
+                            a.value.to_local().numpy(),
+                            b.value.to_local().numpy(),
+                        )
+
+    def test_split_or_masked_values_keep_the_dtensor_update(self):
+        from keras.src import metrics
+
+        rows = np.ones((4, 3), "float32")
+        split = self.replicated(rows, [Shard(0)])
+        masked = self.replicated(rows)
+        masked._keras_mask = self.replicated(np.ones((4,), bool))
+        for name, values in {"split": split, "masked": masked}.items():
+            with self.subTest(name):
+                metric = metrics.Mean()
+                with mock.patch.object(
+                    replicated_updates, "call_on_local_tensors"
+                ) as local:
+                    with created_tensors.replicate_created_tensors(self.mesh):
+                        metric.update_state(values)
+                local.assert_not_called()
+                self.assertAllClose(metric.result().full_tensor(), 1.0)
