@@ -52,6 +52,16 @@ variable used with split inputs is) through a Keras `StatelessScope`, runs
 with `replicate_created_tensors` suspended, and returns its outputs as
 DTensors with the placements and global shapes of the watched call.
 
+Two things a local call keeps, so that the next one costs less Python
+time: the local view of each replicated variable it read with gradients
+on (kept on its verdict, and read again while the variable holds the same
+value; the view shares the local tensor's storage and version counter,
+so it sees the optimizer's in-place updates), and, on each DTensor it
+returns, the local tensor it computed. A later local call, or a loss
+reduction (`batch_reductions`), given such a DTensor unchanged reads that
+local tensor (`local_tensor_of`) instead of going through `to_local`: its
+gradient reaches the first call as the round trip would bring it.
+
 Variables sharded over the batch axes (fully sharded layouts) are read
 whole: the watched call reads each one all-gathered (a replicated DTensor
 standing in for its value during the call), and a local call reads the
@@ -114,6 +124,10 @@ _VERDICTS = weakref.WeakKeyDictionary()
 # Attribute of a replicated DTensor variable value read through a local
 # view: {gradient placements: DTensorSpec of the view's gradient}.
 _GRADIENT_SPECS_ATTRIBUTE = "_keras_local_view_gradient_specs"
+
+# Attribute of a DTensor output of a local call: (the local tensor the
+# call computed, the DTensor's version counter when it was made).
+_COMPUTED_LOCALLY_ATTRIBUTE = "_keras_computed_locally"
 
 # id(variable) -> its sharded value, while a watched call reads the
 # variable gathered (`_GatheredVariables`).
@@ -233,6 +247,9 @@ class _Verdict:
         units: for each variable sharded over the batch axes, its
             `_Unit` (the variables gathered with it); empty when the layer
             reads none.
+        views: id(variable) -> `(value, local tensor, view)`: the local
+            view of each replicated variable a local call read with
+            gradients on, kept for the next calls (`_LocalVariables`).
     """
 
     def __init__(self, mesh, placements, outputs, sublayers):
@@ -244,6 +261,7 @@ class _Verdict:
         )
         self.outputs = outputs
         self.units = {}
+        self.views = {}
 
     def recomputes(self, layer):
         """Whether a remat mode now keeps `layer` on DTensors."""
@@ -567,9 +585,25 @@ def _tensor_leaves(value):
     return [leaf for item in value for leaf in _tensor_leaves(item)]
 
 
+def local_tensor_of(value):
+    """The local tensor of a DTensor, for a computation on local tensors.
+
+    A DTensor that a local call returned, unchanged since, gives the
+    tensor that the call computed, with its autograd history: its
+    gradient reaches the call as directly as the round trip through
+    `from_local` and `to_local` would bring it (a gradient split as the
+    DTensor is, per process), without those two autograd nodes. Any
+    other DTensor gives `to_local()`.
+    """
+    computed = getattr(value, _COMPUTED_LOCALLY_ATTRIBUTE, None)
+    if computed is not None and computed[1] == value._version:
+        return computed[0]
+    return value.to_local()
+
+
 def _call_locally(layer, upstream_call, args, kwargs, verdict):
     """Runs the layer on local shards and lays its outputs out again."""
-    args, kwargs = _map_tensors((args, kwargs), DTensor.to_local)
+    args, kwargs = _map_tensors((args, kwargs), local_tensor_of)
     if getattr(layer, "_remat_mode", None) is None:
         outputs = _run_locally(layer, upstream_call, args, kwargs, verdict)
     else:
@@ -587,7 +621,7 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
                 f"{tuple(local_shape)} per process. Its call depends on "
                 "something other than its arguments and variables."
             )
-        return DTensor.from_local(
+        output = DTensor.from_local(
             local,
             verdict.mesh,
             verdict.placements,
@@ -595,6 +629,8 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
             shape=shape,
             stride=stride,
         )
+        setattr(output, _COMPUTED_LOCALLY_ATTRIBUTE, (local, output._version))
+        return output
 
     return _map_tensors(outputs, to_dtensor)
 
@@ -611,9 +647,15 @@ def _run_locally(layer, upstream_call, args, kwargs, verdict):
         suspended = created_tensors.suspended()
     # Inside a checkpoint, the checkpoint frees the gathered values with
     # the rest, and its recomputation gathers them again.
-    regather = bool(verdict.units) and not _saved_tensors_hooked()
+    hooked = _saved_tensors_hooked()
+    regather = bool(verdict.units) and not hooked
     scope = _LocalVariables(
-        layer, verdict.gradient_placements, verdict.units, regather
+        layer,
+        verdict.gradient_placements,
+        verdict.units,
+        regather,
+        # A checkpoint's two passes read views made in each.
+        views=None if hooked else verdict.views,
     )
     with scope, suspended, scope.freeing_gathered_values():
         return upstream_call(layer, *args, **kwargs)
@@ -662,11 +704,20 @@ class _LocalVariables(StatelessScope):
     back to the variable's placements.
     """
 
-    def __init__(self, layer, gradient_placements, units=None, regather=False):
+    def __init__(
+        self,
+        layer,
+        gradient_placements,
+        units=None,
+        regather=False,
+        views=None,
+    ):
         super().__init__(initialize_variables=False)
         self.layer = layer
         self.gradient_placements = gradient_placements
         self.units = units or {}
+        # Views of replicated variables kept from call to call, or None.
+        self.views = views
         # Gathered views of the last gathered unit's variables not read yet.
         self.unread = {}
         # Gathered views of kept units' variables, for the whole call.
@@ -681,6 +732,8 @@ class _LocalVariables(StatelessScope):
 
     def get_current_value(self, variable):
         view = self.state_mapping.get(id(variable))
+        if view is None and self.views is not None:
+            view = self._kept_view(variable)
         if view is None:
             spec = self._gradient_spec(variable)
             value = variable._value
@@ -690,7 +743,32 @@ class _LocalVariables(StatelessScope):
                 # Not kept: freed as soon as forward is done with it.
                 return self._gathered_view(variable, value, spec)
             view = _LocalView.apply(value, spec)
+            if self.views is not None and view.grad_fn is not None:
+                self.views[id(variable)] = (value, value._local_tensor, view)
             self.state_mapping[id(variable)] = view
+        return view
+
+    def _kept_view(self, variable):
+        """The view an earlier call made of this variable, if still good.
+
+        A view reads the local tensor (it shares its storage and version
+        counter, so it sees the optimizer's in-place updates) and sends
+        its gradient to the variable's value, as a new view would. It is
+        good while the variable holds the same value with the same local
+        tensor, and is read with gradients on, as when it was made.
+        """
+        kept = self.views.get(id(variable))
+        if kept is None:
+            return None
+        value, local, view = kept
+        if (
+            variable._value is not value
+            or value._local_tensor is not local
+            or not value.requires_grad
+            or not torch.is_grad_enabled()
+        ):
+            return None
+        self.state_mapping[id(variable)] = view
         return view
 
     def _gathered_view(self, variable, value, spec):
@@ -997,9 +1075,11 @@ class _LocalView(torch.autograd.Function):
     def forward(ctx, value, gradient_spec):
         ctx.gradient_spec = gradient_spec
         ctx.set_materialize_grads(False)
-        local = value._local_tensor
-        # A new tensor object: autograd writes its metadata into it.
-        return local.view_as(local)
+        # A new tensor object, which autograd makes the output, sharing
+        # the local tensor's storage and version counter. Not a view in
+        # autograd's sense, so that the optimizer's in-place updates of
+        # the local tensor leave it this function's output (`views`).
+        return value._local_tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):

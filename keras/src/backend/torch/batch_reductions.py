@@ -41,6 +41,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 
@@ -74,10 +75,12 @@ def reduce_on_local_tensors(
             dtype=dtype,
         )
     shards, batch_dims = plan
-    local_weight = None if sample_weight is None else sample_weight.to_local()
+    local_weight = None
+    if sample_weight is not None:
+        local_weight = batch_local.local_tensor_of(sample_weight)
     with created_tensors.suspended():
         local = upstream_reduce(
-            values.to_local(),
+            batch_local.local_tensor_of(values),
             sample_weight=local_weight,
             mask=None,
             reduction=reduction,

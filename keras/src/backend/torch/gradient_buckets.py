@@ -118,9 +118,11 @@ class _Bucket:
             offset += numel
             if id(parameter) in assigned:
                 parameter.grad._local_tensor.add_(local)
-            else:
-                parameter.grad = _accumulated(parameter, local)
-                assigned.add(id(parameter))
+                continue
+            if parameter.grad is not None:
+                local = _accumulated(parameter, local)
+            parameter.grad = _like_parameter(local, parameter)
+            assigned.add(id(parameter))
 
 
 class _PendingReduction:
@@ -204,37 +206,59 @@ def reduce_local_gradient(node, local, placements):
     except RuntimeError:
         # `torch.autograd.grad` does not accumulate into leaves.
         return False
-    reduction, key = _local_reduction_plan(parameter, placements, local)
-    if reduction is None or not reduction[0] or not _queue_finalizer():
+    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
+    if (
+        kept is None
+        or kept[0] is not parameter._spec
+        or kept[1] is not placements
+    ):
+        kept = _local_reduction_plan(parameter, placements, local)
+    reduction = kept[2]
+    if reduction is None or not reduction[0]:
         return False
-    _add(parameter, local, reduction, key)
+    if not (_PENDING.finalizer_queued or _queue_finalizer()):
+        return False
+    _add(parameter, local, reduction, kept[3])
     return True
 
 
 def _local_reduction_plan(parameter, placements, local):
-    """`(reduction, bucket key)` of a local view's gradient.
+    """`(spec, placements, reduction, bucket key)` of a local view's
+    gradient, kept on the parameter.
 
-    Planned once per parameter spec and gradient placements, and kept on
-    the parameter.
+    Planned once per parameter spec and gradient placements.
     """
     spec = parameter._spec
-    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
-    if kept is None or kept[0] is not spec or kept[1] is not placements:
-        reduction = _cached_reduction(spec.mesh, placements, spec.placements)
-        key = (spec.mesh, reduction, local.dtype)
-        kept = (spec, placements, reduction, key)
-        setattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, kept)
-    return kept[2], kept[3]
+    reduction = _cached_reduction(spec.mesh, placements, spec.placements)
+    kept = (
+        spec,
+        placements,
+        reduction,
+        _bucket_key(spec.mesh, reduction, local.dtype),
+    )
+    setattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, kept)
+    return kept
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
+def _bucket_key(mesh, reduction, dtype):
+    """The key of the bucket of gradients of this mesh, partial-sum
+    reduction and dtype: `(mesh, (id(mesh), reduction, dtype))`.
+
+    Buckets are looked up by the second part, which hashes without Python
+    code (a `DeviceMesh` hashes in Python).
+    """
+    return (mesh, (id(mesh), reduction, dtype))
+
+
 def _add(parameter, local, reduction, key):
     """Adds a local gradient to its open bucket; sends the bucket if full."""
+    mesh, key = key
     bucket = _PENDING.open.get(key)
     if bucket is None:
-        bucket = _Bucket(key[0], *reduction)
+        bucket = _Bucket(mesh, *reduction)
         _PENDING.open[key] = bucket
     bucket.add(parameter, local)
     if bucket.nbytes >= _PENDING.cap_bytes:
@@ -256,7 +280,7 @@ def _reduction_plan(parameter, grad):
         return None
     mesh = grad._spec.mesh
     reduction = _cached_reduction(mesh, grad._spec.placements, target)
-    return reduction, (mesh, reduction, grad.dtype)
+    return reduction, _bucket_key(mesh, reduction, grad.dtype)
 
 
 def _cached_reduction(mesh, current, placements):
@@ -339,7 +363,8 @@ def _finish_backward():
 
 
 def _accumulated(parameter, local):
-    """The parameter's gradient once its reduced `local` gradient is in.
+    """The local part of the parameter's gradient once its reduced
+    `local` gradient is in.
 
     A gradient the parameter holds from an earlier backward pass (not
     reset since) is laid out like it, and `local` is added to it, as
@@ -351,8 +376,8 @@ def _accumulated(parameter, local):
         isinstance(grad, DTensor)
         and grad._spec.placements == parameter._spec.placements
     ):
-        local = grad._local_tensor + local
-    return _like_parameter(local, parameter)
+        return grad._local_tensor + local
+    return local
 
 
 def _like_parameter(local, parameter):
