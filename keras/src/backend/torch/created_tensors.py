@@ -87,19 +87,28 @@ def current_mode():
     return mode
 
 
-@contextlib.contextmanager
 def suspended():
     """Inside, torch functions run without the mode: tensors stay plain.
 
     For code that runs on local shards (`batch_local`). The mode must be
     the innermost torch function mode (`current_mode()` is not None).
     """
-    with torch.overrides._pop_mode_temporarily():
+    return _Suspended()
+
+
+class _Suspended:
+    """The context of `suspended`: the mode off the torch function mode
+    stack (as `torch.overrides._pop_mode_temporarily` takes it off, in
+    three Python calls where that takes a dozen: several suspensions a
+    step)."""
+
+    def __enter__(self):
+        self.mode = torch._C._pop_torch_function_stack()
         _STATE.active = False
-        try:
-            yield
-        finally:
-            _STATE.active = True
+
+    def __exit__(self, *exc_info):
+        _STATE.active = True
+        torch._C._push_on_torch_function_stack(self.mode)
 
 
 def draw_count():

@@ -73,3 +73,22 @@ class ReplicateCreatedTensorsTest(testing.TestCase):
             kept = torch.nn.functional.dropout(inputs, p=0.4, training=False)
         self.assertAllClose(dropped.full_tensor().numpy(), expected.numpy())
         self.assertIs(kept, inputs)
+
+    def test_suspended_takes_the_mode_off_and_puts_it_back(self):
+        with created_tensors.replicate_created_tensors(self.mesh):
+            mode = created_tensors.current_mode()
+            self.assertIsNotNone(mode)
+            with created_tensors.suspended():
+                self.assertFalse(created_tensors.replicating_created_tensors())
+                self.assertIsNone(created_tensors.current_mode())
+                plain = torch.arange(3)
+            self.assertIs(created_tensors.current_mode(), mode)
+            with self.assertRaisesRegex(ValueError, "inside"):
+                with created_tensors.suspended():
+                    raise ValueError("inside")
+            # Back after an error too.
+            self.assertIs(created_tensors.current_mode(), mode)
+            replicated = torch.arange(3)
+        self.assertNotIsInstance(plain, DTensor)
+        self.assertIsInstance(replicated, DTensor)
+        self.assertIsNone(torch.overrides._get_current_function_mode())
