@@ -416,9 +416,11 @@ def edit_layer_call_runs_batch_local(layer_module):
 def _in_eager_distributed_step_check():
     """A function telling whether a call runs in an eager distributed step.
 
-    That is: not under `torch.compile` (checked first: dynamo traces none
-    of the rest), a distribution set, and `replicate_created_tensors`
-    active (a step's context, not suspended by a local call).
+    That is: a distribution set (checked first, in one Python call: without
+    a distribution nothing else is asked; upstream's layer call reads it
+    under `torch.compile` too), not under `torch.compile` (dynamo traces
+    none of the rest), and `replicate_created_tensors` active (a step's
+    context, not suspended by a local call).
     """
     import torch
 
@@ -430,7 +432,7 @@ def _in_eager_distributed_step_check():
 
     def in_eager_step():
         return (
-            not compiling() and current_distribution() is not None and in_step()
+            current_distribution() is not None and not compiling() and in_step()
         )
 
     return in_eager_step
