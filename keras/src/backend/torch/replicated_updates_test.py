@@ -56,17 +56,18 @@ class _OneProcessDataParallelTest(testing.TestCase):
         )
         self.addCleanup(distribution_api.set_distribution, None)
 
-
-class ApplyOnLocalTensorsTest(_OneProcessDataParallelTest):
-    """Replicated optimizer steps run on local tensors, with equal values."""
-
     def replicated(self, value, placements=None):
+        """`value` as a DTensor on the mesh, replicated by default."""
         return DTensor.from_local(
             torch.as_tensor(value),
             self.mesh.backend_mesh,
             placements or [Replicate()],
             run_check=False,
         )
+
+
+class ApplyOnLocalTensorsTest(_OneProcessDataParallelTest):
+    """Replicated optimizer steps run on local tensors, with equal values."""
 
     def train(self, make_optimizer, steps=3, in_step=False):
         """Variables and optimizer variables after `steps` updates."""
@@ -262,14 +263,6 @@ class ResultOnLocalTensorsTest(_OneProcessDataParallelTest):
 
 class UpdateOnLocalTensorsTest(_OneProcessDataParallelTest):
     """`Mean` and `Sum` updated with replicated values update locally."""
-
-    def replicated(self, value, placements=None):
-        return DTensor.from_local(
-            torch.as_tensor(value),
-            self.mesh.backend_mesh,
-            placements or [Replicate()],
-            run_check=False,
-        )
 
     def updated(self, make_metric, values, sample_weight, local=True):
         """The metric's variables after two updates in a step."""
