@@ -260,11 +260,16 @@ class BatchLocalTest(testing.TestCase):
         self.assertEqual(tuple(gradient.placements), placements)
         self.assertAllClose(gradient.to_local().numpy(), np.ones((5, 3)))
 
-    def test_views_are_kept_from_call_to_call(self):
+    def watched_dense(self):
+        """A built `Dense(3)` and a batch, after the watched first call."""
         dense = layers.Dense(3)
         dense.build((None, 5))
         x = self.batch((4, 5))
-        self.call_in_step(dense, x)  # watched
+        self.call_in_step(dense, x)
+        return dense, x
+
+    def test_views_are_kept_from_call_to_call(self):
+        dense, x = self.watched_dense()
         (verdict,) = self.verdicts(dense)
         gradients, views, versions = [], [], []
         for _ in range(3):
@@ -294,10 +299,7 @@ class BatchLocalTest(testing.TestCase):
             self.assertAllClose(gradient.numpy(), want.numpy())
 
     def test_kept_views_are_dropped_when_not_good(self):
-        dense = layers.Dense(3)
-        dense.build((None, 5))
-        x = self.batch((4, 5))
-        self.call_in_step(dense, x)  # watched
+        dense, x = self.watched_dense()
         (verdict,) = self.verdicts(dense)
         self.call_in_step(dense, x)
         view = verdict.views[id(dense.kernel)][2]
@@ -325,10 +327,7 @@ class BatchLocalTest(testing.TestCase):
         self.assertIsNone(scope.views)
 
     def test_outputs_of_local_calls_give_back_their_local_tensors(self):
-        dense = layers.Dense(3)
-        dense.build((None, 5))
-        x = self.batch((4, 5))
-        self.call_in_step(dense, x)  # watched
+        dense, x = self.watched_dense()
         out = self.call_in_step(dense, x)
         computed = batch_local.local_tensor_of(out)
         self.assertNotIsInstance(computed, DTensor)
