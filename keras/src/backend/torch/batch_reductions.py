@@ -28,8 +28,9 @@ not split along their first dimension) takes upstream's reduction on
 DTensors.
 
 Collectives: for a mean, the one all-reduce of the result over the batch
-axes (one per batch axis), where the DTensor reduction issues its own; a
-sum issues none, as the DTensor reduction. Every process takes the same
+axes (one per batch axis of more than one process; none on one process),
+where the DTensor reduction issues its own; a sum issues none, as the
+DTensor reduction. Every process takes the same
 path, decided from global shapes and placements.
 """
 
@@ -74,7 +75,7 @@ def reduce_on_local_tensors(
             reduction=reduction,
             dtype=dtype,
         )
-    shards, batch_dims = plan
+    shards, batch_dims, reduced_dims = plan
     local_weight = None
     if sample_weight is not None:
         local_weight = batch_local.local_tensor_of(sample_weight)
@@ -94,13 +95,18 @@ def reduce_on_local_tensors(
         for mesh_dim in batch_dims:
             placements[mesh_dim] = Partial("sum")
         return DTensor.from_local(local, mesh, placements, run_check=False)
-    with created_tensors.suspended():
-        local = local / shards
-    return _SumOverBatch.apply(local, mesh, batch_dims)
+    if shards > 1:
+        with created_tensors.suspended():
+            local = local / shards
+    return _SumOverBatch.apply(local, mesh, reduced_dims)
 
 
 def _local_plan(values, sample_weight, mask, reduction):
-    """`(batch shard count, placements of the local results)`, or None.
+    """`(batch shard count, batch mesh dims, mesh dims to reduce)`, or
+    None.
+
+    The batch mesh dims split the values; those of more than one process
+    are reduced (a mesh axis of one process holds its values whole).
 
     None unless the reduction may run locally: inside a distributed step
     (whose torch function mode is the innermost), an additive reduction,
@@ -128,23 +134,28 @@ def _local_plan(values, sample_weight, mask, reduction):
         return None
     shards = 1
     batch_dims = []
+    reduced_dims = []
     for mesh_dim, placement in enumerate(spec.placements):
         if placement.is_shard(0):
-            shards *= spec.mesh.size(mesh_dim)
+            size = spec.mesh.size(mesh_dim)
+            shards *= size
             batch_dims.append(mesh_dim)
+            if size > 1:
+                reduced_dims.append(mesh_dim)
         elif not placement.is_replicate():
             return None
-    if shards == 1 or values.shape[0] % shards:
+    if not batch_dims or values.shape[0] % shards:
         return None
-    return shards, tuple(batch_dims)
+    return shards, tuple(batch_dims), tuple(reduced_dims)
 
 
 class _SumOverBatch(torch.autograd.Function):
     """The sum of every process's local scalar, as a replicated DTensor.
 
-    One all-reduce per batch mesh axis, as DTensor issues them (functional
-    collectives, waited for when the sum is first read); the gradient of
-    each local scalar is the (replicated) gradient of the sum.
+    One all-reduce per batch mesh axis of more than one process, as
+    DTensor issues them (functional collectives, waited for when the sum
+    is first read); the gradient of each local scalar is the (replicated)
+    gradient of the sum.
     """
 
     @staticmethod

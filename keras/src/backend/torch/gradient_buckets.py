@@ -26,6 +26,11 @@ once in one backward pass (a layer called twice, a weight shared by two
 layers, or read both locally and on DTensors): its gradients are summed
 before the all-reduce where they share an open bucket, and after it
 otherwise.
+
+Mesh axes of one process need no reduction: a partial sum over one
+process is the whole sum. A gradient that differs from its parameter's
+placements only on such axes is handed to the parameter at once, as the
+same local tensor laid out as the parameter, without a bucket.
 """
 
 import os
@@ -165,7 +170,9 @@ def reduce_gradient_when_ready(parameter):
         return
     reduction, key = plan
     if reduction is not None and not reduction[0]:
-        parameter.grad = _relabel(grad, parameter._spec.placements)
+        parameter.grad = _like_parameter(
+            grad._local_tensor.contiguous(), parameter
+        )
         return
     if reduction is None or not _queue_finalizer():
         parameter.grad = _redistribute_gradient(grad, parameter)
@@ -187,7 +194,10 @@ def reduce_local_gradient(node, local, placements):
 
     Returns:
         True if the gradient joined a bucket, and the parameter will get
-        its reduced gradient when backward ends. False, having done
+        its reduced gradient when backward ends, or if it needs no
+        reduction (the batch axes hold one process each) and the
+        parameter has it already, laid out as the parameter. False, having
+        done
         nothing, when the view is not of a parameter whose gradients the
         buckets reduce, when backward does not accumulate into it (as in
         `torch.autograd.grad`) or builds a graph, or when the gradient
@@ -214,8 +224,14 @@ def reduce_local_gradient(node, local, placements):
     ):
         kept = _local_reduction_plan(parameter, placements, local)
     reduction = kept[2]
-    if reduction is None or not reduction[0]:
+    if reduction is None:
         return False
+    if not reduction[0]:
+        # The batch axes hold one process each: the partial sum is whole.
+        parameter.grad = _like_parameter(
+            _accumulated(parameter, local.contiguous()), parameter
+        )
+        return True
     if not (_PENDING.finalizer_queued or _queue_finalizer()):
         return False
     _add(parameter, local, reduction, kept[3])
@@ -407,18 +423,6 @@ def _contiguous_spec(spec):
         spec.mesh,
         spec.placements,
         tensor_meta=TensorMeta(meta.shape, strides, meta.dtype),
-    )
-
-
-def _relabel(grad, placements):
-    """The same local values, with placements that differ on size-1 axes."""
-    return DTensor.from_local(
-        grad.to_local(),
-        grad.device_mesh,
-        placements,
-        run_check=False,
-        shape=grad.shape,
-        stride=grad.stride(),
     )
 
 

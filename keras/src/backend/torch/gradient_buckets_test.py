@@ -266,6 +266,21 @@ def shared_weight_loss(weight, other, mesh, reads):
     return (h**2).sum()
 
 
+def expected_gradients(mesh, reads):
+    """The gradients of `shared_weight_loss`'s parameters, without
+    DTensors."""
+    weight, other = [
+        torch.nn.Parameter(p.detach().full_tensor())
+        for p in replicated_parameters(mesh, [(8, 8), (8, 3)])
+    ]
+    x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+    h = x
+    for _ in reads:
+        h = torch.tanh(h @ weight)
+    ((h @ other) ** 2).sum().backward()
+    return weight.grad.numpy(), other.grad.numpy()
+
+
 class LocalViewGradientTest(testing.TestCase):
     """Gradients of local views join the buckets without a DTensor."""
 
@@ -273,18 +288,6 @@ class LocalViewGradientTest(testing.TestCase):
         super().setUp()
         self.mesh = one_process_mesh()
         pretend_mesh_dims_of_size_two(self)
-
-    def expected_gradients(self, reads):
-        weight, other = [
-            torch.nn.Parameter(p.detach().full_tensor())
-            for p in replicated_parameters(self.mesh, [(8, 8), (8, 3)])
-        ]
-        x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
-        h = x
-        for _ in reads:
-            h = torch.tanh(h @ weight)
-        ((h @ other) ** 2).sum().backward()
-        return weight.grad.numpy(), other.grad.numpy()
 
     def check(self, reads, cap_mb, all_reduces):
         weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
@@ -309,7 +312,7 @@ class LocalViewGradientTest(testing.TestCase):
         # parameter, however often it was read.
         self.assertEqual(from_spec.call_count, 2)
         for parameter, expected in zip(
-            (weight, other), self.expected_gradients(reads)
+            (weight, other), expected_gradients(self.mesh, reads)
         ):
             self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
             self.assertAllClose(
@@ -335,7 +338,7 @@ class LocalViewGradientTest(testing.TestCase):
         ).backward()
         for parameter, expected in zip(
             (weight, other),
-            self.expected_gradients(["local", "dtensor", "local"]),
+            expected_gradients(self.mesh, ["local", "dtensor", "local"]),
         ):
             self.assertEqual(tuple(parameter.grad.placements), (Replicate(),))
             self.assertAllClose(
@@ -351,7 +354,7 @@ class LocalViewGradientTest(testing.TestCase):
             for _ in range(2):
                 shared_weight_loss(weight, other, self.mesh, reads).backward()
             for parameter, expected in zip(
-                (weight, other), self.expected_gradients(reads)
+                (weight, other), expected_gradients(self.mesh, reads)
             ):
                 self.assertEqual(
                     tuple(parameter.grad.placements), (Replicate(),)
@@ -368,7 +371,9 @@ class LocalViewGradientTest(testing.TestCase):
         weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
         loss = shared_weight_loss(weight, other, self.mesh, ["local"])
         grads = torch.autograd.grad(loss, [weight, other])
-        for grad, expected in zip(grads, self.expected_gradients(["local"])):
+        for grad, expected in zip(
+            grads, expected_gradients(self.mesh, ["local"])
+        ):
             self.assertEqual(tuple(grad.placements), (Partial(),))
             self.assertAllClose(grad.to_local().numpy(), expected, atol=1e-6)
         self.assertIsNone(weight.grad)
@@ -392,6 +397,46 @@ class SizeOneMeshAxisTest(testing.TestCase):
             mlp_loss(parameters, mesh).backward()
         self.assertEqual(all_reduce.call_count, 0)
         self.assertEqual(tuple(parameters[0].grad.placements), (Replicate(),))
+
+    def test_local_view_gradients_go_to_their_parameters_at_once(self):
+        mesh = one_process_mesh()
+        for reads in (["local"], ["local", "local"], ["local", "dtensor"]):
+            with self.subTest(reads=reads):
+                weight, other = replicated_parameters(mesh, [(8, 8), (8, 3)])
+                with (
+                    mock.patch.object(
+                        torch.distributed,
+                        "all_reduce",
+                        wraps=torch.distributed.all_reduce,
+                    ) as all_reduce,
+                    mock.patch.object(
+                        gradient_buckets, "_add", wraps=gradient_buckets._add
+                    ) as bucketed,
+                    mock.patch.object(
+                        DTensor, "from_local", wraps=DTensor.from_local
+                    ) as from_local,
+                ):
+                    loss = shared_weight_loss(weight, other, mesh, reads)
+                    loss.backward()
+                self.assertEqual(all_reduce.call_count, 0)
+                self.assertEqual(bucketed.call_count, 0)
+                # No gradient was made a DTensor but from its parameter's
+                # spec: a DTensor read of the loss calls `from_local`
+                # twice (in forward, and in `to_local`'s backward).
+                self.assertEqual(
+                    from_local.call_count, 2 * reads.count("dtensor")
+                )
+                for parameter, expected in zip(
+                    (weight, other), expected_gradients(mesh, reads)
+                ):
+                    self.assertEqual(
+                        tuple(parameter.grad.placements), (Replicate(),)
+                    )
+                    self.assertAllClose(
+                        parameter.grad.full_tensor().numpy(),
+                        expected,
+                        atol=1e-6,
+                    )
 
 
 class DTensorFromSpecTest(testing.TestCase):

@@ -1,0 +1,104 @@
+"""Tests of `batch_reductions` on a one-process mesh.
+
+A batch axis of one process holds the whole batch: the local reduction
+needs no collective there, and gives the DTensor reduction's value,
+gradient and placements. Across processes the same comparison runs in the
+integration tests.
+"""
+
+from unittest import mock
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+
+from keras.src import testing
+from keras.src.backend.torch import batch_reductions
+from keras.src.backend.torch import created_tensors
+from keras.src.distribution import distribution_lib as distribution_api
+from keras.src.losses import loss as loss_module
+
+
+class OneProcessBatchAxisTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        distribution_api.set_distribution(
+            distribution_api.DataParallel(device_mesh=self.mesh)
+        )
+        self.addCleanup(distribution_api.set_distribution, None)
+        rng = np.random.default_rng(0)
+        self.values = rng.normal(size=(6, 3)).astype("float32")
+        self.weights = rng.uniform(size=(6, 3)).astype("float32")
+
+    def split(self, array, requires_grad=False):
+        tensor = distribute_tensor(
+            torch.tensor(array), self.mesh.backend_mesh, [Shard(0)]
+        )
+        return tensor.requires_grad_(requires_grad)
+
+    def reduce(self, reduction, local, weighted=False):
+        """The reduction's value, gradient, placements and collectives.
+
+        Args:
+            reduction: the loss reduction.
+            local: whether the local plan may be taken (False: upstream's
+                reduction on DTensors).
+            weighted: whether sample weights split like the values are
+                given.
+        """
+        values = self.split(self.values, requires_grad=True)
+        weight = self.split(self.weights) if weighted else None
+        plan = mock.patch.object(
+            batch_reductions,
+            "_local_plan",
+            wraps=batch_reductions._local_plan,
+            **({} if local else {"return_value": None}),
+        )
+        collective = mock.patch.object(
+            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+        )
+        read = mock.patch.object(
+            DTensor, "to_local", autospec=True, side_effect=DTensor.to_local
+        )
+        with plan, collective as all_reduce, read as to_local:
+            with created_tensors.replicate_created_tensors(self.mesh):
+                value = loss_module.reduce_weighted_values(
+                    values, sample_weight=weight, reduction=reduction
+                )
+            value.backward()
+        return {
+            "value": value.full_tensor().detach().numpy(),
+            "grad": values.grad.full_tensor().numpy(),
+            "placements": tuple(value.placements),
+            "all_reduce": all_reduce.call_count,
+            # The local plan reads the values' local tensor.
+            "local": any(c.args[0] is values for c in to_local.mock_calls),
+        }
+
+    def test_local_reduction_matches_the_dtensor_one(self):
+        for reduction in ("sum", "sum_over_batch_size", "mean"):
+            for weighted in (False, True):
+                with self.subTest(reduction=reduction, weighted=weighted):
+                    local = self.reduce(reduction, True, weighted)
+                    upstream = self.reduce(reduction, False, weighted)
+                    self.assertTrue(local["local"])
+                    self.assertFalse(upstream["local"])
+                    self.assertEqual(local["all_reduce"], 0)
+                    self.assertEqual(
+                        local["placements"], upstream["placements"]
+                    )
+                    np.testing.assert_array_equal(
+                        local["value"], upstream["value"]
+                    )
+                    np.testing.assert_array_equal(
+                        local["grad"], upstream["grad"]
+                    )
+
+    def test_plan_names_no_mesh_dim_to_reduce(self):
+        values = self.split(self.values)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            plan = batch_reductions._local_plan(values, None, None, "mean")
+        self.assertEqual(plan, (1, (0,), ()))
