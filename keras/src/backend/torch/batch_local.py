@@ -489,6 +489,11 @@ def _remat_anywhere(layer, sublayers=None):
     """
     if sublayers is None:
         sublayers = _sublayers(layer)
+    # The common case (no sublayer recomputed), checked on every call in
+    # one comprehension rather than a call per sublayer.
+    modes = [getattr(sub, "_remat_mode", None) for sub in sublayers]
+    if modes.count(None) == len(modes):
+        return _remat_keeps_dtensors(layer, layer)
     return any(_remat_keeps_dtensors(layer, sub) for sub in (layer, *sublayers))
 
 

@@ -35,7 +35,6 @@ path, decided from global shapes and placements.
 """
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
@@ -152,17 +151,16 @@ def _local_plan(values, sample_weight, mask, reduction):
 class _SumOverBatch(torch.autograd.Function):
     """The sum of every process's local scalar, as a replicated DTensor.
 
-    One all-reduce per batch mesh axis of more than one process, as
-    DTensor issues them (functional collectives, waited for when the sum
-    is first read); the gradient of each local scalar is the (replicated)
-    gradient of the sum.
+    One all-reduce per batch mesh axis of more than one process, the
+    functional collective DTensor issues (`_all_reduce_sum`); the gradient
+    of each local scalar is the (replicated) gradient of the sum.
     """
 
     @staticmethod
     def forward(ctx, local, mesh, batch_dims):
         total = local.detach()
         for mesh_dim in batch_dims:
-            total = funcol.all_reduce(total, "sum", mesh.get_group(mesh_dim))
+            total = _all_reduce_sum(total, mesh, mesh_dim)
         replicated = (Replicate(),) * mesh.ndim
         spec = DTensorSpec(
             mesh,
@@ -174,5 +172,24 @@ class _SumOverBatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, DTensor):
-            grad = grad.full_tensor()
+            if {type(p) for p in grad._spec.placements} == {Replicate}:
+                # The whole value, on every process: no redistribution.
+                grad = grad._local_tensor
+            else:
+                grad = grad.full_tensor()
         return grad, None, None
+
+
+def _all_reduce_sum(tensor, mesh, mesh_dim):
+    """The sum of `tensor` over one mesh axis, as a plain tensor.
+
+    The functional all-reduce that DTensor issues, waited for at once: the
+    step reads the sum next (the loss tracker), so waiting later would
+    overlap nothing, and the sum stays a plain tensor rather than the
+    asynchronous wrapper whose every later operator runs in Python.
+    """
+    functional = torch.ops._c10d_functional
+    group_name = mesh.get_group(mesh_dim).group_name
+    return functional.wait_tensor(
+        functional.all_reduce(tensor, "sum", group_name)
+    )
