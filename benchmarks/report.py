@@ -82,23 +82,67 @@ def single_cells(cells):
     }
 
 
-def floor_ratio(cell, single):
-    """The "÷ single" a cell would show if distributing added no time.
+def local_cells(results):
+    """Each workload's local-batch cell (those that ran)."""
+    return {
+        c["workload"]: c
+        for c in results.get("local_cells", ())
+        if "error" not in c
+    }
 
-    Keras's own overhead over plain torch, measured in the single-process
-    cell (Keras ms minus native ms), is mostly per-step Python that does
-    not shrink with the per-process batch, while the native step does.
-    Added to the cell's native step, it gives the Keras step of a
-    distribution that adds nothing; divided by the native step and by the
-    single-process ratio, the lowest "÷ single" this project can reach in
-    that cell without cutting upstream Keras's own overhead.
+
+def local_table(local_cells):
+    """The local-batch cells' table, with its caption, as lines."""
+    rows = []
+    for c in local_cells:
+        if "error" in c:
+            rows.append([c["workload"], str(c["local_batch"])])
+            rows[-1] += [_error_cell(c["error"]), "", "", ""]
+            continue
+        ms = c["step_ms"]
+        rows.append(
+            [
+                c["workload"],
+                str(c["local_batch"]),
+                _ms(ms["keras"]),
+                _ms(ms["native"]),
+                f"{c['ratio']:.2f}",
+                f"{c['python_calls']['keras']} / {c['python_calls']['native']}",
+            ]
+        )
+    caption = (
+        "**Local batch** (ms per training step): the single-process Keras "
+        "model and its plain torch twin on one process's share of the "
+        "batch, in every process at once, with no communication; with "
+        'the data-parallel cell\'s native step, it gives the "÷ single" '
+        "column that a distribution adding only DDP's time would show."
+    )
+    header = [
+        "workload",
+        "batch per process",
+        "Keras ms",
+        "native ms",
+        "Keras/native",
+        "Python calls/step Keras / native",
+    ]
+    return [caption, "", _table(header, rows)]
+
+
+def floor_ratio(cell, single, local):
+    """The "÷ single" a data-parallel cell would show if distributing
+    added no time beyond DDP's communication.
+
+    Such a Keras step costs the local-batch cell's Keras step (the
+    single-process model on this process's share of the batch, every
+    process at once) plus what DDP adds to its native twin (the cell's
+    native step minus the local-batch native step).
     """
-    overhead = single["step_ms"]["keras"] - single["step_ms"]["native"]
-    native = cell["step_ms"]["native"]
-    return (native + overhead) / native / single["ratio"]
+    keras = local["step_ms"]["keras"]
+    added = cell["step_ms"]["native"] - local["step_ms"]["native"]
+    return (keras + added) / cell["step_ms"]["native"] / single["ratio"]
 
 
-def time_row(cell, singles=None):
+def time_row(cell, singles=None, locals_=None):
     """One row of the step-time table.
 
     Args:
@@ -106,6 +150,8 @@ def time_row(cell, singles=None):
         singles: dict mapping a workload to its single-process cell, to
             show the distributed ratio relative to the single-process one
             (the target applies to that relative ratio).
+        locals_: dict mapping a workload to its local-batch cell, for the
+            lowest "÷ single" of its data-parallel cell (`floor_ratio`).
     """
     head = [_workload(cell), cell["mode"], MESH[cell["mode"]](cell["world"])]
     tool = NATIVE_TOOL[cell["mode"]]
@@ -116,9 +162,11 @@ def time_row(cell, singles=None):
     relative = floor = "—"
     verdict = "—"
     target = TIME_TARGETS.get(cell["mode"])
+    local = (locals_ or {}).get(cell["workload"])
     if single is not None:
         relative = f"{cell['ratio'] / single['ratio']:.2f}"
-        floor = f"{floor_ratio(cell, single):.2f}"
+        if local is not None and cell["mode"] == "dp":
+            floor = f"{floor_ratio(cell, single, local):.2f}"
         if target:
             verdict = _verdict(cell["ratio"] / single["ratio"] <= target)
     calls = cell["python_calls"]
@@ -269,15 +317,20 @@ def markdown(results):
                 "native ms",
                 "Keras/native",
                 "÷ single-process Keras/native",
-                "÷ single if distributing added no time",
+                "÷ single if distributing added only DDP's time",
                 "target (÷ single)",
                 "time",
                 "Python calls/step Keras / native",
                 "Keras jit_compile ms (speed-up)",
             ],
-            [time_row(c, single_cells(cells)) for c in cells],
+            [
+                time_row(c, single_cells(cells), local_cells(results))
+                for c in cells
+            ],
         )
     )
+    if results.get("local_cells"):
+        parts += ["", *local_table(results["local_cells"])]
     parts += [
         "",
         "**Collectives per training step** (outside backward / in "

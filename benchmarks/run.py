@@ -414,6 +414,21 @@ def _overhead_row(workload, cells, times):
     return row
 
 
+def local_batch_config(config, world, modes):
+    """The config of the local-batch cells, or None where none run.
+
+    Under data parallelism each process computes on `batch / world`
+    examples. A local-batch cell runs the single-process Keras model and
+    its plain torch twin on that many examples, in every process at once
+    and without communication: what a data-parallel step would cost if
+    distributing added nothing but DDP's communication, under the same
+    sharing of the machine's cores.
+    """
+    if world == 1 or "dp" not in modes or config.batch % world:
+        return None
+    return dataclasses.replace(config, batch=config.batch // world)
+
+
 def _wait_group(args):
     """A gloo group whose timeout covers the single-process phase."""
     seconds = args.single_timeout + 120
@@ -464,7 +479,13 @@ def main(argv=None):
         if wait_group is not None:
             dist.barrier(group=wait_group)
 
+    local_config = local_batch_config(config, world, modes)
+    results["local_cells"] = []
     for workload in workload_list:
+        if local_config is not None:
+            entry = cell.run_cell(workload, "single", local_config, options)
+            entry["local_batch"] = local_config.batch
+            results["local_cells"].append(entry)
         for mode in modes:
             if mode == "single":
                 continue

@@ -193,3 +193,40 @@ def test_results_record_the_code_measured(results):
     assert code["commit"] is None or isinstance(code["commit"], str)
     assert all(isinstance(path, str) for path in code["modified"])
     assert "Code: commit" in results["markdown"]
+
+
+def test_local_batch_cell_gives_the_data_parallel_floor(results):
+    # One local-batch cell per workload: the single-process model on one
+    # process's share (8 / 2 examples), run in every process at once.
+    (local,) = results["local_cells"]
+    assert "error" not in local, local.get("error")
+    assert (local["workload"], local["mode"]) == ("mlp", "single")
+    assert local["local_batch"] == 4
+    for name in ("keras", "native"):
+        assert _positive(local["step_ms"][name])
+    assert local["twin"]["ok"]
+    # The report divides by the single-process ratio and shows the floor
+    # of the data-parallel row only.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import report
+
+    single = report.single_cells(results["cells"])["mlp"]
+    dp = next(c for c in results["cells"] if c["mode"] == "dp")
+    floor = report.floor_ratio(dp, single, local)
+    expected = (
+        (
+            local["step_ms"]["keras"]
+            + dp["step_ms"]["native"]
+            - local["step_ms"]["native"]
+        )
+        / dp["step_ms"]["native"]
+        / single["ratio"]
+    )
+    assert math.isclose(floor, expected)
+    row = next(
+        line
+        for line in results["markdown"].splitlines()
+        if line.startswith("| mlp | dp |")
+    )
+    assert f"| {floor:.2f} |" in row
+    assert "**Local batch**" in results["markdown"]
