@@ -41,7 +41,8 @@ def test_size_one_axes_train_as_one_process(reports, case):
     """A mesh axis of size 1 splits nothing (its shard is the whole
     dimension), and fit, evaluate (with confusion-matrix metrics, which
     view the sharded output) and predict give the single-process
-    numbers."""
+    numbers; the model runs on local tensors where the "model" axis has
+    one process."""
     reference, one, two = reports
     ranks = one if MESHES[case] == 1 else two
     expected = harness.run_values(reference, "single")
@@ -62,6 +63,10 @@ def test_size_one_axes_train_as_one_process(reports, case):
             values["predict"], expected["predict"], rtol=RTOL, atol=ATOL
         )
         assert_close_lists(values["weights"], expected["weights"])
+        # Where "model" has one process, every layout of the model moves
+        # nothing, and the model runs on local tensors as under
+        # DataParallel; over two, its split kernels keep DTensors.
+        assert values["model_ran_locally"] == (shape[1] == 1)
 
 
 def test_per_process_parts_of_different_sizes(reports):

@@ -133,6 +133,9 @@ _COMPUTED_LOCALLY_ATTRIBUTE = "_keras_computed_locally"
 # variable gathered (`_GatheredVariables`).
 _SWAPPED = {}
 
+# The number of local calls running (nested calls count each).
+_LOCAL_CALLS = [0]
+
 # Argument values other than tensors that a signature holds as they are.
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -215,20 +218,75 @@ def _signature(value, leaves):
 def _batch_placements(leaves, mesh):
     """The one placement tuple of the DTensor arguments, if it is allowed.
 
+    On a mesh axis of one process, a placement other than a split of the
+    batch is read as `Replicate` (`_batch_layout`): arguments whose
+    placements differ only there have the same batch placements.
+
     Raises:
         _NotLocal: without DTensor arguments, with several placements, on
-            another mesh, or with a split along a dimension other than 0.
+            another mesh, or with a split along a dimension other than 0
+            over more than one process.
     """
     if not leaves:
         raise _NotLocal
     placements = leaves[0].placements
     for leaf in leaves:
-        if leaf.placements != placements or leaf.device_mesh != mesh:
+        if leaf.device_mesh != mesh:
             raise _NotLocal
-    for placement in placements:
-        if not (placement.is_replicate() or placement.is_shard(0)):
+        if leaf.placements != placements:
+            break
+    else:
+        if _splits_only_the_batch(placements):
+            return placements
+    placements = _batch_layout(placements, mesh)
+    if not _splits_only_the_batch(placements):
+        raise _NotLocal
+    for leaf in leaves:
+        if _batch_layout(leaf.placements, mesh) != placements:
             raise _NotLocal
     return placements
+
+
+def _splits_only_the_batch(placements):
+    return all(p.is_replicate() or p.is_shard(0) for p in placements)
+
+
+def _batch_layout(placements, mesh):
+    """`placements`, with `Replicate` on the mesh axes of one process
+    where they are not a split of the batch (dimension 0).
+
+    The local tensor of such a DTensor holds the whole dimension (or the
+    whole sum) on those axes: a local call reads it as it reads a
+    replicated one.
+    """
+    return tuple(
+        Replicate() if not p.is_shard(0) and mesh.size(mesh_dim) == 1 else p
+        for mesh_dim, p in enumerate(placements)
+    )
+
+
+def keeps_local_values(value, layout):
+    """Whether laying `value` (a DTensor) out as `layout` leaves its local
+    tensor as it is: the placements differ only on mesh axes of one
+    process, where DTensor moves nothing.
+
+    Such a relayout is not an effect (`note_effect`): a local call, which
+    computes on local tensors, skips it.
+    """
+    mesh = layout.mesh
+    if value.device_mesh != mesh:
+        return False
+    return all(
+        a == b or mesh.size(mesh_dim) == 1
+        for mesh_dim, (a, b) in enumerate(
+            zip(value.placements, layout.placements)
+        )
+    )
+
+
+def running_locally():
+    """Whether a local call is running: its tensors are local shards."""
+    return _LOCAL_CALLS[0] > 0
 
 
 class _Verdict:
@@ -236,12 +294,14 @@ class _Verdict:
 
     Attributes:
         mesh: the step's DTensor mesh.
-        placements: the batch placements of inputs and outputs.
+        placements: the batch placements of inputs and outputs
+            (`_batch_layout`).
         gradient_placements: the placements of the gradients of the local
             views of variables: `Partial` on mesh axes that split the
             batch, `Replicate` on the others.
         outputs: per tensor output, in flattening order, its local shape,
-            global shape and global stride in the watched call.
+            global shape, global stride and placements in the watched
+            call.
         sublayers: the layer's sublayers in the watched call (none for a
             loss).
         units: for each variable sharded over the batch axes, its
@@ -369,15 +429,26 @@ def _readable_locally(value, placements):
     """
     if not isinstance(value, DTensor):
         return False
+    mesh = value.device_mesh
     return all(
         p.is_replicate()
         or (p.is_shard() and (batch.is_shard() or batch.is_partial()))
-        for p, batch in zip(value.placements, placements)
+        or mesh.size(mesh_dim) == 1
+        for mesh_dim, (p, batch) in enumerate(zip(value.placements, placements))
     )
 
 
-def _is_sharded(value):
-    return any(p.is_shard() for p in value.placements)
+def _is_sharded(value, placements):
+    """Whether a readable `value` is split over mesh axes that split the
+    batch (read gathered), given the call's batch or gradient placements.
+
+    A split over another axis (of one process: `_readable_locally`)
+    leaves the whole value in the local tensor.
+    """
+    return any(
+        p.is_shard() and (batch.is_shard() or batch.is_partial())
+        for p, batch in zip(value.placements, placements)
+    )
 
 
 def _gather(value):
@@ -414,7 +485,9 @@ class _GatheredVariables:
         self.sharded = []
         for variable in getattr(layer, "variables", ()):
             value = _SWAPPED.get(id(variable), variable._value)
-            if _readable_locally(value, placements) and _is_sharded(value):
+            if _readable_locally(value, placements) and _is_sharded(
+                value, placements
+            ):
                 self.sharded.append((variable, value))
         self.swapped = []
 
@@ -544,9 +617,11 @@ def _same_states(first, second):
 def note_effect():
     """Counts an effect that a local call could not reproduce.
 
-    Called for each relayout (`distribute_tensor`: a `<layer path>/output`
-    layout would take a local tensor for a global one) and each assignment
-    to a DTensor variable (a local call would compute it from one shard).
+    Called for each relayout that moves values (`distribute_tensor`: a
+    `<layer path>/output` layout would take a local tensor for a global
+    one; one that leaves local tensors as they are, `keeps_local_values`,
+    is skipped by a local call) and each assignment to a DTensor variable
+    (a local call would compute it from one shard).
     A watched call during which one happened is not local. Nothing is
     counted under `torch.compile`, where no call is watched.
     """
@@ -561,21 +636,33 @@ def _effect_count():
 
 
 def _output_specs(outputs, placements, mesh):
-    """Per tensor output its local and global shape and global stride.
+    """Per tensor output its local and global shape, global stride and
+    placements.
 
     Returns None unless every tensor output is a DTensor on `mesh` with
-    `placements` and no Keras mask.
+    the batch `placements` (`_batch_layout`) and no Keras mask.
     """
     specs = []
     for leaf in _tensor_leaves(outputs):
         if (
             not isinstance(leaf, DTensor)
-            or leaf.placements != placements
             or leaf.device_mesh != mesh
             or getattr(leaf, "_keras_mask", None) is not None
         ):
             return None
-        specs.append((leaf._local_tensor.shape, leaf.shape, leaf.stride()))
+        if (
+            leaf.placements != placements
+            and _batch_layout(leaf.placements, mesh) != placements
+        ):
+            return None
+        specs.append(
+            (
+                leaf._local_tensor.shape,
+                leaf.shape,
+                leaf.stride(),
+                leaf.placements,
+            )
+        )
     return tuple(specs) if specs else None
 
 
@@ -618,7 +705,7 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
     specs = iter(verdict.outputs)
 
     def to_dtensor(local):
-        local_shape, shape, stride = next(specs)
+        local_shape, shape, stride, placements = next(specs)
         if local.shape != local_shape:
             raise RuntimeError(
                 f"{_describe(layer)} ran on local shards and returned "
@@ -629,7 +716,7 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
         output = DTensor.from_local(
             local,
             verdict.mesh,
-            verdict.placements,
+            placements,
             run_check=False,
             shape=shape,
             stride=stride,
@@ -662,8 +749,12 @@ def _run_locally(layer, upstream_call, args, kwargs, verdict):
         # A checkpoint's two passes read views made in each.
         views=None if hooked else verdict.views,
     )
-    with scope, suspended, scope.freeing_gathered_values():
-        return upstream_call(layer, *args, **kwargs)
+    _LOCAL_CALLS[0] += 1
+    try:
+        with scope, suspended, scope.freeing_gathered_values():
+            return upstream_call(layer, *args, **kwargs)
+    finally:
+        _LOCAL_CALLS[0] -= 1
 
 
 def _recompute_locally(layer, upstream_call, args, kwargs, verdict):
@@ -744,7 +835,7 @@ class _LocalVariables(StatelessScope):
             value = variable._value
             # Only a layer with units reads sharded variables (its watched
             # call proved it); replicated reads skip the check.
-            if self.units and _is_sharded(value):
+            if self.units and _is_sharded(value, self.gradient_placements):
                 # Not kept: freed as soon as forward is done with it.
                 return self._gathered_view(variable, value, spec)
             view = _LocalView.apply(value, spec)
@@ -888,7 +979,8 @@ class _LocalVariables(StatelessScope):
         specs = getattr(value, _GRADIENT_SPECS_ATTRIBUTE, None)
         if specs is None:
             readable = _readable_locally(value, self.gradient_placements)
-            if not readable or (not self.units and _is_sharded(value)):
+            sharded = _is_sharded(value, self.gradient_placements)
+            if not readable or (not self.units and sharded):
                 raise RuntimeError(
                     f"{_describe(self.layer)} runs on local shards but "
                     f"read variable '{variable.path}', which is neither "

@@ -20,6 +20,7 @@ from keras.src.backend.common.remat import RematScope
 from keras.src.backend.common.remat import get_current_remat_mode
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gathered_units
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.distribution import remat
@@ -698,8 +699,16 @@ class BatchLocalTest(testing.TestCase):
         # a partial sum over it.
         self.assertTrue(readable(sharded, (Shard(0),)))
         self.assertTrue(readable(sharded, (Partial(),)))
-        self.assertFalse(readable(sharded, (Replicate(),)))
         self.assertFalse(readable(values, (Shard(0),)))
+        # Split over an axis of one process: the local tensor is whole.
+        self.assertTrue(readable(sharded, (Replicate(),)))
+        # Over several processes, a split that does not follow the batch
+        # leaves each process a part of the value.
+        with mock.patch.object(
+            type(mesh), "size", lambda self, mesh_dim=None: 2
+        ):
+            self.assertFalse(readable(sharded, (Replicate(),)))
+            self.assertTrue(readable(sharded, (Shard(0),)))
 
     def test_calls_without_a_distribution_are_upstream(self):
         dense = layers.Dense(3)
@@ -755,3 +764,87 @@ class BatchLocalTest(testing.TestCase):
             "MeanSquaredError 'mse_of_test'",
         )
         self.assertEqual(batch_local._sublayers(loss), ())
+
+
+class OneProcessModelAxisTest(testing.TestCase):
+    """Splits over mesh axes of one process leave local tensors whole."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        layout_map = distribution_api.LayoutMap(self.mesh)
+        layout_map[".*up/kernel"] = (None, "model")
+        layout_map[".*up/bias"] = ("model",)
+        layout_map[".*down/kernel"] = ("model", None)
+        layout_map[".*down/output"] = ("batch", None)
+        distribution_api.set_distribution(
+            distribution_api.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
+        )
+        self.addCleanup(distribution_api.set_distribution, None)
+
+    def test_megatron_block_runs_locally_with_dtensor_results(self):
+        model = models.Sequential(
+            [
+                layers.Dense(8, activation="relu", name="up"),
+                layers.Dense(3, name="down"),
+            ]
+        )
+        model.build((None, 5))
+        kernel = model.layers[0].kernel
+        self.assertEqual(
+            tuple(kernel.value.placements), (Replicate(), Shard(1))
+        )
+        values = np.random.default_rng(0).normal(size=(4, 5))
+        x = distribute_tensor(
+            torch.as_tensor(values.astype("float32")),
+            self.mesh.backend_mesh,
+            [Shard(0), Replicate()],
+        )
+        outputs, gradients = [], []
+        for _ in range(2):  # watched, then local
+            for variable in model.trainable_variables:
+                variable.value.grad = None
+            with created_tensors.replicate_created_tensors(self.mesh):
+                out = model(x)
+            (out * out).sum().backward()
+            outputs.append(out)
+            gradients.append([v.value.grad for v in model.trainable_variables])
+        (verdict,) = batch_local._VERDICTS[model].values()
+        # The row-parallel output's layout moved nothing on this mesh.
+        self.assertIsNotNone(verdict)
+        watched, local = outputs
+        self.assertEqual(local.placements, watched.placements)
+        self.assertIsNotNone(
+            getattr(local, batch_local._COMPUTED_LOCALLY_ATTRIBUTE, None)
+        )
+        self.assertAllClose(
+            local.full_tensor().detach().numpy(),
+            watched.full_tensor().detach().numpy(),
+        )
+        for variable, first, second in zip(
+            model.trainable_variables, *gradients
+        ):
+            self.assertEqual(second.placements, variable.value.placements)
+            self.assertEqual(second.placements, first.placements)
+            self.assertAllClose(
+                second.full_tensor().numpy(), first.full_tensor().numpy()
+            )
+
+    def test_layout_that_moves_values_is_an_effect(self):
+        backend_mesh = self.mesh.backend_mesh
+        split = distribute_tensor(
+            torch.zeros((4, 2)), backend_mesh, [Shard(0), Replicate()]
+        )
+        layout = dtensor_layouts.backend_layout(
+            distribution_api.TensorLayout(("batch", "model"), self.mesh)
+        )
+        # Shard(1) over a "model" axis of one process: nothing moves.
+        self.assertTrue(batch_local.keeps_local_values(split, layout))
+        with mock.patch.object(
+            type(backend_mesh), "size", lambda self, mesh_dim=None: 2
+        ):
+            self.assertFalse(batch_local.keeps_local_values(split, layout))

@@ -353,7 +353,6 @@ def distribute_tensor(tensor, layout):
     if layout is None:
         return tensor
     layout = dtensor_layouts.backend_layout(layout)
-    batch_local.note_effect()
 
     def distribute_one(x):
         if isinstance(x, KerasVariable):
@@ -366,9 +365,16 @@ def distribute_tensor(tensor, layout):
             return x
         validate_layout(x.shape, layout, require_divisible=False)
         if isinstance(x, DTensor):
+            if not batch_local.keeps_local_values(x, layout):
+                batch_local.note_effect()
             if x.requires_grad and x.device_mesh == layout.mesh:
                 return _ConstrainLayout.apply(x, layout.mesh, layout.placements)
             return dtensor_layouts.relayout(x, layout)
+        if batch_local.running_locally():
+            # A local shard in a local call, whose first (watched) call
+            # proved that this layout leaves local tensors as they are.
+            return x
+        batch_local.note_effect()
         return _dtensor_distribute(x, layout.mesh, layout.placements)
 
     return tree.map_structure(distribute_one, tensor)

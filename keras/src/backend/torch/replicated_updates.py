@@ -128,7 +128,10 @@ def held_values(variables, tensors=()):
     """`[(variable, value)]` for a local run, or None.
 
     None unless every variable's value and every tensor of `tensors` (None
-    entries aside) is a replicated DTensor, outside a stateless scope and
+    entries aside) is a DTensor replicated on every mesh axis of more than
+    one process (its local tensor holds its whole value; `_whole_locally`
+    is checked only where a placement is not `Replicate`), outside a
+    stateless scope and
     compilation, and outside a distributed step or in one whose torch
     function mode is the innermost.
     """
@@ -151,9 +154,23 @@ def held_values(variables, tensors=()):
         placements = tensor._spec.placements
         if replicated is None:
             replicated = (Replicate(),) * len(placements)
-        if placements != replicated:
+        if placements != replicated and not _whole_locally(tensor):
             return None
     return held
+
+
+def _whole_locally(tensor):
+    """Whether a DTensor's local tensor holds its whole value: it is
+    replicated on every mesh axis of more than one process."""
+    mesh = tensor._spec.mesh
+    return all(
+        p.is_replicate() or _mesh_dim_size(mesh, mesh_dim) == 1
+        for mesh_dim, p in enumerate(tensor._spec.placements)
+    )
+
+
+def _mesh_dim_size(mesh, mesh_dim):
+    return mesh.size(mesh_dim)
 
 
 def call_on_local_tensors(held, function, *args):

@@ -56,6 +56,16 @@ class _OneProcessDataParallelTest(testing.TestCase):
         )
         self.addCleanup(distribution_api.set_distribution, None)
 
+    def pretend_mesh_axes_of_several_processes(self):
+        """Reads the mesh's axes as holding 2 processes each, in this test,
+        so that a split over the one-process mesh leaves a part of a
+        value in each process, as it would across processes."""
+        patcher = mock.patch.object(
+            replicated_updates, "_mesh_dim_size", lambda mesh, dim: 2
+        )
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
     def replicated(self, value, placements=None):
         """`value` as a DTensor on the mesh, replicated by default."""
         return DTensor.from_local(
@@ -169,6 +179,7 @@ class ApplyOnLocalTensorsTest(_OneProcessDataParallelTest):
             self.assertIs(variable._value, old)
 
     def test_other_placements_keep_the_dtensor_step(self):
+        self.pretend_mesh_axes_of_several_processes()
         variables = [backend.Variable(v) for v in _initial_values()]
         optimizer = optimizers.SGD(0.1)
         optimizer.build(variables)
@@ -204,6 +215,14 @@ class ApplyOnLocalTensorsTest(_OneProcessDataParallelTest):
                 variables, [self.replicated(values[0], [Shard(0)])]
             )
         )
+
+    def test_splits_over_one_process_are_whole_locally(self):
+        # Without the pretence, the mesh axis holds one process: a value
+        # split over it is whole in the local tensor, as a replicated one.
+        variables = [backend.Variable(v) for v in _initial_values()]
+        split = self.replicated(_gradients(0)[0], [Shard(0)])
+        held = replicated_updates.held_values(variables, [split])
+        self.assertEqual([v for v, _ in held], variables)
 
 
 class ResultOnLocalTensorsTest(_OneProcessDataParallelTest):
@@ -245,6 +264,7 @@ class ResultOnLocalTensorsTest(_OneProcessDataParallelTest):
         self.assertAllClose(expected["iou"].full_tensor(), results["iou"])
 
     def test_a_sharded_variable_keeps_dtensors(self):
+        self.pretend_mesh_axes_of_several_processes()
         from keras.src import metrics
 
         mean = metrics.Mean()
@@ -323,6 +343,7 @@ class UpdateOnLocalTensorsTest(_OneProcessDataParallelTest):
                         )
 
     def test_split_or_masked_values_keep_the_dtensor_update(self):
+        self.pretend_mesh_axes_of_several_processes()
         from keras.src import metrics
 
         rows = np.ones((4, 3), "float32")
