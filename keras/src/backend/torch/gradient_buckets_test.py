@@ -45,6 +45,13 @@ def pretend_mesh_dims_of_size_two(test_case):
         test_case.addCleanup(patcher.stop)
 
 
+def counting_all_reduce():
+    """Patches `torch.distributed.all_reduce` to count its calls."""
+    return mock.patch.object(
+        torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+    )
+
+
 def replicated_parameters(mesh, shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     parameters = []
@@ -104,9 +111,7 @@ class GradientBucketsTest(testing.TestCase):
 
     def test_one_bucket_holds_every_small_gradient(self):
         parameters = replicated_parameters(self.mesh, self.shapes)
-        with mock.patch.object(
-            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
-        ) as all_reduce:
+        with counting_all_reduce() as all_reduce:
             mlp_loss(parameters, self.mesh).backward()
         self.assertEqual(all_reduce.call_count, 1)
         flat = all_reduce.call_args.args[0]
@@ -130,11 +135,7 @@ class GradientBucketsTest(testing.TestCase):
         with mock.patch.dict(
             os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: "0"}
         ):
-            with mock.patch.object(
-                torch.distributed,
-                "all_reduce",
-                wraps=torch.distributed.all_reduce,
-            ) as all_reduce:
+            with counting_all_reduce() as all_reduce:
                 mlp_loss(parameters, self.mesh, observe=observe).backward()
         self.assertEqual(all_reduce.call_count, len(parameters))
         self.assertEqual(launched_before_end, [2])
@@ -220,9 +221,7 @@ class TwoDimensionalMeshTest(testing.TestCase):
             parameters.append(parameter)
         x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
         inputs = distribute_tensor(x, self.mesh, [Shard(0), Replicate()])
-        with mock.patch.object(
-            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
-        ) as all_reduce:
+        with counting_all_reduce() as all_reduce:
             kernel_up, bias_up, kernel_down = parameters
             hidden = torch.tanh(inputs @ kernel_up + bias_up)
             ((hidden @ kernel_down) ** 2).sum().backward()
@@ -295,11 +294,7 @@ class LocalViewGradientTest(testing.TestCase):
             mock.patch.dict(
                 os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: cap_mb}
             ),
-            mock.patch.object(
-                torch.distributed,
-                "all_reduce",
-                wraps=torch.distributed.all_reduce,
-            ) as all_reduce,
+            counting_all_reduce() as all_reduce,
             mock.patch.object(
                 dtensor_layouts,
                 "dtensor_from_spec",
@@ -391,9 +386,7 @@ class SizeOneMeshAxisTest(testing.TestCase):
     def test_partial_sum_over_one_process_is_relabelled(self):
         mesh = one_process_mesh()
         parameters = replicated_parameters(mesh, [(8, 4)])
-        with mock.patch.object(
-            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
-        ) as all_reduce:
+        with counting_all_reduce() as all_reduce:
             mlp_loss(parameters, mesh).backward()
         self.assertEqual(all_reduce.call_count, 0)
         self.assertEqual(tuple(parameters[0].grad.placements), (Replicate(),))
@@ -404,11 +397,7 @@ class SizeOneMeshAxisTest(testing.TestCase):
             with self.subTest(reads=reads):
                 weight, other = replicated_parameters(mesh, [(8, 8), (8, 3)])
                 with (
-                    mock.patch.object(
-                        torch.distributed,
-                        "all_reduce",
-                        wraps=torch.distributed.all_reduce,
-                    ) as all_reduce,
+                    counting_all_reduce() as all_reduce,
                     mock.patch.object(
                         gradient_buckets, "_add", wraps=gradient_buckets._add
                     ) as bucketed,
