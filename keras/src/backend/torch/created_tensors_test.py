@@ -92,3 +92,64 @@ class ReplicateCreatedTensorsTest(testing.TestCase):
         self.assertNotIsInstance(plain, DTensor)
         self.assertIsInstance(replicated, DTensor)
         self.assertIsNone(torch.overrides._get_current_function_mode())
+
+
+class CompiledModeTest(testing.TestCase):
+    """The mode around a compiled step lets Dynamo trace DTensor code."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        self.backend_mesh = self.mesh.backend_mesh
+
+    def test_dtensor_code_compiles_into_one_graph(self):
+        inputs = DTensor.from_local(
+            torch.arange(12.0).reshape(4, 3),
+            self.backend_mesh,
+            [Shard(0)],
+            run_check=False,
+        )
+
+        def step(x):
+            # Each result is a DTensor the mode looks at.
+            return (x * 2.0 + 1.0).sum(dim=1)
+
+        with created_tensors.replicate_created_tensors(self.mesh):
+            expected = step(inputs)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        with created_tensors.replicate_created_tensors(
+            self.mesh, compiled=True
+        ):
+            value = compiled(inputs)
+        torch._dynamo.reset()
+        self.assertEqual(tuple(value.placements), (Shard(0),))
+        self.assertAllClose(
+            value.full_tensor().numpy(), expected.full_tensor().numpy()
+        )
+
+    def test_lookup_results_are_reduced_as_in_the_eager_mode(self):
+        table = DTensor.from_local(
+            torch.arange(20.0).reshape(5, 4),
+            self.backend_mesh,
+            [Shard(0)],
+            run_check=False,
+        )
+        ids = DTensor.from_local(
+            torch.tensor([[0, 4], [2, 2]]),
+            self.backend_mesh,
+            [Replicate()],
+            run_check=False,
+        )
+        results = []
+        for compiled in (False, True):
+            with created_tensors.replicate_created_tensors(
+                self.mesh, compiled=compiled
+            ):
+                results.append(torch.nn.functional.embedding(ids, table))
+        for result in results:
+            self.assertEqual(tuple(result.placements), (Replicate(),))
+            self.assertAllClose(
+                result.full_tensor().numpy(),
+                torch.arange(20.0).reshape(5, 4)[ids.to_local()].numpy(),
+            )

@@ -106,7 +106,7 @@ class DistributedStepFunction:
             return self.step_fn(data)
         data = distribution_lib.distribute_data(data, distribution)
         with distribution_lib.replicate_created_tensors(
-            distribution.device_mesh
+            distribution.device_mesh, compiled=self.compiled_for_distribution
         ):
             return self.step_fn(data)
 
