@@ -1,9 +1,9 @@
 """Collectives in lockstep, and what happens when a process leaves them.
 
-`workers/lockstep_worker.py` runs three scenarios on 2 gloo processes,
-each in its own launch (every launch of the harness runs with
-`TORCH_DISTRIBUTED_DEBUG=DETAIL`, which fails a collective that another
-rank pairs with a different one):
+`workers/lockstep_worker.py` runs five scenarios on 2 gloo processes:
+the first three in one launch, the failing two in a launch each (every
+launch of the harness runs with `TORCH_DISTRIBUTED_DEBUG=DETAIL`, which
+fails a collective that another rank pairs with a different one):
 
 - `hidden`: with a process group made by `dist.init_process_group` and no
   seed, rank 0 alone reads its mesh's `backend_mesh` (as a log line
@@ -62,27 +62,27 @@ def launch_failing(scenario, tmp_path):
     return str(failure.value), end - min(starts)
 
 
-def test_reading_a_mesh_on_one_rank_issues_no_collective(tmp_path):
-    reports = harness.launch(
-        "lockstep_worker.py", 2, tmp_path, args=["hidden"], timeout=180
-    )
-    for report in reports:
-        assert report["hidden/all_reduced"] == [3.0] * 4
-    # The seed shared by `set_distribution`: replicas are identical.
-    assert reports[0]["hidden/weights"] == reports[1]["hidden/weights"]
-
-
 @pytest.fixture(scope="module")
 def ordered(tmp_path_factory):
-    """One launch of the `buckets` and `async_logs` scenarios."""
+    """One launch of the `hidden`, `buckets` and `async_logs` scenarios.
+
+    `hidden` comes first: it makes the process group itself.
+    """
     return harness.launch(
         "lockstep_worker.py",
         2,
         tmp_path_factory.mktemp("ordered"),
-        args=["buckets", "async_logs"],
+        args=["hidden", "buckets", "async_logs"],
         timeout=240,
         env={"KERAS_DTENSOR_BUCKET_CAP_MB": "0"},
     )
+
+
+def test_reading_a_mesh_on_one_rank_issues_no_collective(ordered):
+    for report in ordered:
+        assert report["hidden/all_reduced"] == [3.0] * 4
+    # The seed shared by `set_distribution`: replicas are identical.
+    assert ordered[0]["hidden/weights"] == ordered[1]["hidden/weights"]
 
 
 def test_buckets_are_sent_in_one_order_from_the_main_thread(ordered):

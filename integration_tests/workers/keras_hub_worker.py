@@ -1,13 +1,14 @@
 """Trains tiny keras-hub backbones laid out by their own `get_layout_map`.
 
 Usage: keras_hub_worker.py RUN [RUN ...] (under torchrun), each RUN being
-`MESH:OPTIMIZER`:
+`MESH:OPTIMIZER[:BACKBONE]`:
   MESH: `dp` (`DataParallel` over all processes), or `RxC`, a
     ("batch", "model") mesh of R x C processes under `ModelParallel` with
     the backbone's published layout map.
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
+  BACKBONE: `gemma` or `llama`; both when not given.
 
-For each of `GemmaBackbone` and `LlamaBackbone`, the worker builds a tiny
+For `GemmaBackbone` and `LlamaBackbone` (or the one named), it builds a tiny
 causal language model (the backbone, then logits from its token embedding,
 as `GemmaCausalLM` and `LlamaCausalLM` compute them) and trains it for a
 few steps with `fit`, exactly as a user would write it: first without a
@@ -143,9 +144,9 @@ def record_run(prefix, model, initial_weights, losses):
 
 
 def run(spec):
-    """Trains every backbone without, then with, the distribution."""
-    mesh, optimizer_name = spec.split(":")
-    for name in BACKBONES:
+    """Trains each backbone without, then with, the distribution."""
+    mesh, optimizer_name, *names = spec.split(":")
+    for name in names or BACKBONES:
         keras.distribution.set_distribution(None)
         record_run(f"{spec}/reference/{name}", *train(name, optimizer_name))
         set_distribution(name, mesh)

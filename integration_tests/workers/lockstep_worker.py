@@ -9,7 +9,8 @@ under `<SCENARIO>/`.
   tensor of their own, set a `DataParallel` distribution and build a
   model. A seed broadcast fired by the mesh conversion on rank 0 alone
   would pair with rank 1's all-reduce. Reports the all-reduced value and
-  the initial weights.
+  the initial weights. It makes the process group, so it comes first in
+  a launch.
 - `skip`: after one `fit`, rank 0 alone calls `model.evaluate`; then both
   call `model.predict`. Expected to fail on every rank.
 - `die`: rank 1 kills itself (SIGKILL) inside the forward pass of the
