@@ -296,22 +296,3 @@ def test_output_that_backward_does_not_reach_gets_a_zero_tangent(
     np.testing.assert_array_equal(
         weight.grad.full_tensor().numpy(), np.full((2, 3), 3.0)
     )
-
-
-def test_compiled_train_step_trains_as_the_eager_one(
-    distribution, inductor_calls
-):
-    x = np.random.RandomState(1).normal(size=(8, 4)).astype("float32")
-    y = np.arange(8) % 3
-    histories = []
-    for jit_compile in (False, True):
-        model = make_model(jit_compile=jit_compile)
-        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-        histories.append((history.history["loss"], model.get_weights()))
-    assert is_compiled_for_distribution(model.train_function)
-    assert inductor_calls, "the compiled step did not use the backend"
-    (eager_loss, eager_weights), (jit_loss, jit_weights) = histories
-    np.testing.assert_allclose(jit_loss, eager_loss, rtol=1e-6)
-    assert len(eager_weights) == len(jit_weights) == 4
-    for eager, jit in zip(eager_weights, jit_weights):
-        np.testing.assert_allclose(jit, eager, rtol=1e-5, atol=1e-6)
