@@ -311,12 +311,16 @@ def finish(cell, times):
 def _jit_runner(cell, workload, config, distribution, x, y, options):
     """Builds and warms up the `jit_compile=True` model, or records why not.
 
-    Every process must fail alike for the run to go on, which holds for
-    compile errors since they do not depend on the rank.
+    The first step, which compiles, is timed (the slowest process's) into
+    `cell["jit_compile_s"]`. Every process must fail alike for the run to
+    go on, which holds for compile errors since they do not depend on the
+    rank.
     """
     keras.utils.set_random_seed(options["seed"])
     try:
         runner = KerasRunner(workload, config, distribution, x, y, jit=True)
+        first = measure.time_steps({"first": runner.step}, 1)["first"]
+        cell["jit_compile_s"] = first[0]
         _warm_up(runner, max(2, options["warmup"]))
     except Exception as error:  # noqa: BLE001 - reported in the table
         cell["jit_error"] = error_text(error)

@@ -170,12 +170,6 @@ def time_row(cell, singles=None, locals_=None):
         if target:
             verdict = _verdict(cell["ratio"] / single["ratio"] <= target)
     calls = cell["python_calls"]
-    if "keras_jit" in ms:
-        jit = f"{_ms(ms['keras_jit'])} ({cell['jit_speedup']:.2f}x)"
-    elif "jit_error" in cell:
-        jit = _error_cell(cell["jit_error"])
-    else:
-        jit = "not run"
     return head + [
         tool,
         twin_text(cell),
@@ -187,8 +181,27 @@ def time_row(cell, singles=None, locals_=None):
         f"≤ {target:.2f}" if target else "—",
         verdict,
         f"{calls['keras']} / {calls['native']}",
-        jit,
+        jit_text(cell, single),
     ]
+
+
+def jit_text(cell, single=None):
+    """The `jit_compile=True` column: step time, speed-up over eager, and
+    the first step's time (the compile), also over the single-process
+    cell's where that was compiled too."""
+    ms = cell["step_ms"]
+    if "jit_error" in cell:
+        return _error_cell(cell["jit_error"])
+    if "keras_jit" not in ms:
+        return "not run"
+    text = f"{_ms(ms['keras_jit'])} ({cell['jit_speedup']:.2f}x)"
+    if "jit_compile_s" not in cell:
+        return text
+    text += f"; first step {cell['jit_compile_s']:.1f} s"
+    if single is not None and single is not cell and "jit_compile_s" in single:
+        ratio = cell["jit_compile_s"] / single["jit_compile_s"]
+        text += f" ({ratio:.2f}x single's)"
+    return text
 
 
 def collective_row(cell):
@@ -321,7 +334,7 @@ def markdown(results):
                 "target (÷ single)",
                 "time",
                 "Python calls/step Keras / native",
-                "Keras jit_compile ms (speed-up)",
+                "Keras jit_compile ms (speed-up; first step)",
             ],
             [
                 time_row(c, single_cells(cells), local_cells(results))

@@ -230,3 +230,26 @@ def test_local_batch_cell_gives_the_data_parallel_floor(results):
     )
     assert f"| {floor:.2f} |" in row
     assert "**Local batch**" in results["markdown"]
+
+
+def test_jit_column_gives_the_first_step_against_single_processes():
+    # `--jit` compiles for minutes, so the smoke run leaves it off; the
+    # column is checked on cells shaped as `cell.py` fills them.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import report
+
+    def cell(keras_jit_ms, first_step_s):
+        return {
+            "step_ms": {"keras": 20.0, "keras_jit": keras_jit_ms},
+            "jit_speedup": 20.0 / keras_jit_ms,
+            "jit_compile_s": first_step_s,
+        }
+
+    single, dp = cell(10.0, 30.0), cell(8.0, 42.0)
+    assert report.jit_text(dp, single) == (
+        "8.00 (2.50x); first step 42.0 s (1.40x single's)"
+    )
+    assert report.jit_text(single, single) == (
+        "10.0 (2.00x); first step 30.0 s"
+    )
+    assert report.jit_text({"step_ms": {"keras": 20.0}}) == "not run"
