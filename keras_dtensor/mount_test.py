@@ -67,16 +67,31 @@ def test_import_is_idempotent():
     assert result["edited_once"] == [result["core"]]
 
 
-def test_overlay_modules_are_served_from_this_repo():
-    result = run_python(
+@pytest.fixture(scope="module")
+def plain_torch_session():
+    """What one fresh torch-backend process reports after importing keras
+    (the overlay module and what it is bound to) and using a Dense layer
+    with no distribution set."""
+    return run_python(
         "import json\n"
-        "import keras\n"
+        "import keras, torch\n"
         "from keras.src import backend\n"
         "from keras.src.backend.torch import distribution_lib\n"
+        "layer = keras.layers.Dense(2)\n"
+        "layer.build((None, 3))\n"
+        "value = layer.kernel.value\n"
+        "layer.kernel.assign(keras.ops.ones((3, 2)))\n"
         "print(json.dumps({'file': distribution_lib.__file__,"
         " 'bound': backend.distribution_lib is distribution_lib,"
-        " 'keras': keras.__file__}))"
+        " 'keras': keras.__file__,"
+        " 'type': type(value).__name__,"
+        " 'param': isinstance(value, torch.nn.Parameter),"
+        " 'sum': float(layer.kernel.numpy().sum())}))"
     )
+
+
+def test_overlay_modules_are_served_from_this_repo(plain_torch_session):
+    result = plain_torch_session
     assert result["bound"]
     overlay = os.path.realpath(result["file"])
     assert overlay.endswith(
@@ -153,18 +168,12 @@ def test_jax_backend_is_untouched():
     }
 
 
-def test_torch_without_distribution_creates_plain_parameters():
-    result = run_python(
-        "import json\n"
-        "import keras, torch\n"
-        "layer = keras.layers.Dense(2)\n"
-        "layer.build((None, 3))\n"
-        "value = layer.kernel.value\n"
-        "layer.kernel.assign(keras.ops.ones((3, 2)))\n"
-        "print(json.dumps({'type': type(value).__name__,"
-        " 'param': isinstance(value, torch.nn.Parameter),"
-        " 'sum': float(layer.kernel.numpy().sum())}))"
-    )
+def test_torch_without_distribution_creates_plain_parameters(
+    plain_torch_session,
+):
+    result = {
+        name: plain_torch_session[name] for name in ("type", "param", "sum")
+    }
     assert result == {"type": "Parameter", "param": True, "sum": 6.0}
 
 
