@@ -2,8 +2,9 @@
 
 `workers/callbacks_worker.py` trains with `EarlyStopping`,
 `ReduceLROnPlateau` and `TerminateOnNaN` (and the `History` that `fit`
-returns) without a distribution, and on 2 gloo processes under
-`DataParallel` and `ModelParallel` (1, 2). Every rank must stop at the
+returns) without a distribution (each of the launch's 2 gloo processes
+by itself, first), and on the 2 processes under `DataParallel` and
+`ModelParallel` (1, 2). Every rank must stop at the
 same epoch, use the same learning rates and stop on the same NaN batch as
 the single-process run, with the same history; and batch-end callbacks
 run on the main thread.
@@ -18,10 +19,14 @@ MODES = ("dp", "mp")
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    single, distributed = harness.launch_reference_and_runs(
-        "callbacks_worker.py", tmp_path_factory, ["single"], {2: MODES}
+    reports = harness.launch_references_first(
+        "callbacks_worker.py",
+        2,
+        tmp_path_factory.mktemp("callbacks_worker"),
+        ["single"],
+        list(MODES),
     )
-    return single, distributed[2]
+    return reports[0], reports
 
 
 def assert_histories_match(history, expected):

@@ -155,6 +155,51 @@ def assert_losses_match(reports, reference, rtol):
         np.testing.assert_allclose(losses, expected, rtol=rtol)
 
 
+def launch_references_first(
+    worker, nprocs, tmp_path, references, runs, timeout=240, env=None
+):
+    """Runs `worker` once on `nprocs` processes: `references`, then `runs`.
+
+    The reference runs train without a distribution, so every process
+    runs each of them by itself, before any distributed run: the same
+    numbers as a one-process launch of them, without that launch's start.
+    Each reference run's values (reported under `<name>/`) must be equal
+    on every process.
+
+    Args:
+        worker: file name of the worker script in `integration_tests/workers`.
+        nprocs: number of processes.
+        tmp_path: a folder for the results.
+        references: the worker's arguments for the reference runs, each
+            also the prefix of its reported values.
+        runs: the worker's arguments for the distributed runs.
+        timeout: hard limit in seconds for the launch.
+        env: extra environment variables.
+
+    Returns:
+        A list with one dict per rank, holding every run's values.
+    """
+    reports = launch(
+        worker,
+        nprocs,
+        tmp_path,
+        args=[*references, *runs],
+        timeout=timeout,
+        env=env,
+    )
+    for name in references:
+        values = [run_values(report, name) for report in reports]
+        if not values[0]:
+            raise WorkerFailure(f"The reference run {name} reported nothing.")
+        for rank, other in enumerate(values[1:], start=1):
+            if other != values[0]:
+                raise WorkerFailure(
+                    f"The reference run {name} differs between processes "
+                    f"0 and {rank}."
+                )
+    return reports
+
+
 def run_values(report, name):
     """The values that one rank reported under `<name>/`, unprefixed."""
     prefix = name + "/"

@@ -4,6 +4,7 @@ Workers run on CPU and gloo whatever GPUs are visible, unless
 `KERAS_DTENSOR_TEST_NCCL=1` asks for NCCL and there is one GPU per
 process; every launch checks its collectives with
 `TORCH_DISTRIBUTED_DEBUG=DETAIL`. A failed launch keeps its whole output.
+Reference runs that share a launch must agree on every process.
 """
 
 import harness
@@ -70,3 +71,26 @@ def test_a_failed_launch_keeps_its_whole_output(tmp_path):
     assert "line 199" in message and "line 0\n" not in message
     assert "line 0\n" in failure.value.output
     assert "line 199" in failure.value.output
+
+
+def test_reference_runs_must_agree_on_every_process(tmp_path):
+    # Reports as `worker_utils.report` writes them, without importing
+    # torch or keras: `same` is equal on both ranks, `ref` is each rank's.
+    script = tmp_path / "rank_worker.py"
+    script.write_text(
+        "import json, os\n"
+        "rank = int(os.environ['RANK'])\n"
+        "path = os.path.join(\n"
+        "    os.environ['KERAS_DTENSOR_TEST_RESULT_DIR'], f'rank{rank}.json'\n"
+        ")\n"
+        "with open(path, 'w') as f:\n"
+        "    json.dump({'same/value': 7, 'ref/value': rank}, f)\n"
+    )
+    reports = harness.launch_references_first(
+        str(script), 2, tmp_path / "agree", ["same"], ["ref"], timeout=120
+    )
+    assert [report["ref/value"] for report in reports] == [0, 1]
+    with pytest.raises(harness.WorkerFailure, match="processes 0 and 1"):
+        harness.launch_references_first(
+            str(script), 2, tmp_path / "differ", ["ref"], [], timeout=120
+        )

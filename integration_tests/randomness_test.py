@@ -2,8 +2,9 @@
 
 `workers/randomness_worker.py` applies `Dropout` (with and without a
 seed), `GaussianNoise` and `GaussianDropout` in training mode to a batch
-of identical rows, on one process and under `DataParallel` and
-`ModelParallel` on 2 processes. Random values are drawn for the global
+of identical rows without a distribution (each of the launch's 2
+processes by itself, first) and under `DataParallel` and `ModelParallel`
+on the 2 processes. Random values are drawn for the global
 batch from the shared seed, so:
 - every process holds the same global output, equal to the single-process
   output for the same seed (processes of one model replica agree, and the
@@ -22,10 +23,14 @@ MODES = ("dp", "mp")
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    single, distributed = harness.launch_reference_and_runs(
-        "randomness_worker.py", tmp_path_factory, ["single"], {2: MODES}
+    reports = harness.launch_references_first(
+        "randomness_worker.py",
+        2,
+        tmp_path_factory.mktemp("randomness_worker"),
+        ["single"],
+        list(MODES),
     )
-    return single, distributed[2]
+    return reports[0], reports
 
 
 def outputs(report, mode, layer):
