@@ -1,7 +1,8 @@
 """Training under a distribution gives single-device numbers.
 
 Each case trains with `workers/training_worker.py` on 2 or 4 gloo
-processes and on one process without any distribution, from the same
+processes and without any distribution (the references, which each
+process of the 2-process launch trains by itself first), from the same
 initial weights, with `shuffle=False` unless stated (sharded variables
 created shard by shard, bit for bit as one process creates them whole).
 Per-step losses must agree within 1e-5 relative, final weights within 1e-5
@@ -67,18 +68,30 @@ def single(spec):
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Three launches: references, 2 processes and 4 processes."""
+    """Two launches, on 2 and 4 processes; each process of the first
+    also trains the references by itself, before its distributed runs.
+
+    Returns:
+        `(references, reports)`: a report holding the references' values,
+        and a dict of process count to every rank's report.
+    """
     specs = [spec for runs in RUNS.values() for spec in runs]
-    return harness.launch_reference_and_runs(
+    two = harness.launch_references_first(
         "training_worker.py",
-        tmp_path_factory,
+        2,
+        tmp_path_factory.mktemp("training_2"),
         sorted({single(spec) for spec in specs} | {REORDERED}),
-        {
-            nprocs: runs + ([SHUFFLED] if nprocs == 2 else [])
-            for nprocs, runs in RUNS.items()
-        },
+        RUNS[2] + [SHUFFLED],
         timeout=400,
     )
+    four = harness.launch(
+        "training_worker.py",
+        4,
+        tmp_path_factory.mktemp("training_4"),
+        args=RUNS[4],
+        timeout=400,
+    )
+    return two[0], {2: two, 4: four}
 
 
 @pytest.fixture(
