@@ -11,13 +11,17 @@ from keras.src.backend.torch import created_tensors
 from keras.src.distribution import distribution_lib as distribution_api
 
 
-class ReplicateCreatedTensorsTest(testing.TestCase):
-    """Tensors made from Python values inside a step are replicated."""
+class OneProcessMeshTestCase(testing.TestCase):
+    """A test case with a one-process ("batch",) mesh."""
 
     def setUp(self):
         super().setUp()
         self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
         self.backend_mesh = self.mesh.backend_mesh
+
+
+class ReplicateCreatedTensorsTest(OneProcessMeshTestCase):
+    """Tensors made from Python values inside a step are replicated."""
 
     def test_factories_make_replicated_dtensors(self):
         with created_tensors.replicate_created_tensors(self.mesh):
@@ -94,13 +98,8 @@ class ReplicateCreatedTensorsTest(testing.TestCase):
         self.assertIsNone(torch.overrides._get_current_function_mode())
 
 
-class CompiledModeTest(testing.TestCase):
+class CompiledModeTest(OneProcessMeshTestCase):
     """The mode around a compiled step lets Dynamo trace DTensor code."""
-
-    def setUp(self):
-        super().setUp()
-        self.mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
-        self.backend_mesh = self.mesh.backend_mesh
 
     def test_dtensor_code_compiles_into_one_graph(self):
         inputs = DTensor.from_local(
