@@ -87,7 +87,8 @@ class DistributedStepFunction:
 
     Under a distribution, `step_fn` receives the batch with every array
     leaf distributed by `distribution_lib.distribute_data`, and runs in
-    `distribution_lib.replicate_created_tensors`. Without a distribution,
+    `distribution_lib.replicate_created_tensors` (in the mode Dynamo
+    traces whole when `step_fn` is compiled). Without a distribution,
     `step_fn` runs as it is.
 
     Args:
