@@ -300,8 +300,9 @@ class _Verdict:
             views of variables: `Partial` on mesh axes that split the
             batch, `Replicate` on the others.
         outputs: per tensor output, in flattening order, its local shape,
-            global shape, global stride and placements in the watched
-            call.
+            its `DTensorSpec` (mesh, placements, global shape, stride and
+            dtype) in the watched call, and the placements of its
+            gradient's local tensor (`_AsDTensor`).
         sublayers: the layer's sublayers in the watched call (none for a
             loss).
         units: for each variable sharded over the batch axes, its
@@ -658,9 +659,18 @@ def _output_specs(outputs, placements, mesh):
         specs.append(
             (
                 leaf._local_tensor.shape,
-                leaf.shape,
-                leaf.stride(),
-                leaf.placements,
+                DTensorSpec(
+                    mesh,
+                    tuple(leaf.placements),
+                    tensor_meta=TensorMeta(
+                        leaf.shape, leaf.stride(), leaf.dtype
+                    ),
+                ),
+                # As `from_local`'s gradient: `Replicate` for `Partial`.
+                tuple(
+                    Replicate() if p.is_partial() else p
+                    for p in leaf.placements
+                ),
             )
         )
     return tuple(specs) if specs else None
@@ -685,11 +695,17 @@ def local_tensor_of(value):
     gradient reaches the call as directly as the round trip through
     `from_local` and `to_local` would bring it (a gradient split as the
     DTensor is, per process), without those two autograd nodes. Any
-    other DTensor gives `to_local()`.
+    other DTensor gives `to_local()` (detached where it requires no
+    gradient).
     """
     computed = getattr(value, _COMPUTED_LOCALLY_ATTRIBUTE, None)
     if computed is not None and computed[1] == value._version:
         return computed[0]
+    if not value.requires_grad:
+        # No gradient to route back (a batch of inputs): a new tensor
+        # object on the same storage, as `to_local()` gives, without its
+        # autograd function.
+        return value._local_tensor.detach()
     return value.to_local()
 
 
@@ -705,22 +721,16 @@ def _call_locally(layer, upstream_call, args, kwargs, verdict):
     specs = iter(verdict.outputs)
 
     def to_dtensor(local):
-        local_shape, shape, stride, placements = next(specs)
-        if local.shape != local_shape:
+        local_shape, spec, gradient_placements = next(specs)
+        if local.shape != local_shape or local.dtype != spec.tensor_meta.dtype:
             raise RuntimeError(
                 f"{_describe(layer)} ran on local shards and returned "
-                f"shape {tuple(local.shape)} where its first call returned "
-                f"{tuple(local_shape)} per process. Its call depends on "
+                f"shape {tuple(local.shape)} and dtype {local.dtype} where "
+                f"its first call returned {tuple(local_shape)} and "
+                f"{spec.tensor_meta.dtype} per process. Its call depends on "
                 "something other than its arguments and variables."
             )
-        output = DTensor.from_local(
-            local,
-            verdict.mesh,
-            placements,
-            run_check=False,
-            shape=shape,
-            stride=stride,
-        )
+        output = _AsDTensor.apply(local, spec, gradient_placements)
         setattr(output, _COMPUTED_LOCALLY_ATTRIBUTE, (local, output._version))
         return output
 
@@ -1159,6 +1169,38 @@ def _spec(mesh, placements, tensor):
         placements,
         tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype),
     )
+
+
+class _AsDTensor(torch.autograd.Function):
+    """A local call's output as a DTensor with the watched call's spec.
+
+    As `DTensor.from_local(local, mesh, placements, shape=..., stride=...)`
+    with the spec made once per verdict output rather than once per call.
+    Its gradient is the local tensor of the output's gradient, brought
+    first to `gradient_placements` (the output's, `Replicate` where they
+    are `Partial`, as `from_local`'s) where it has others.
+    """
+
+    @staticmethod
+    def forward(ctx, local, spec, gradient_placements):
+        ctx.placements = gradient_placements
+        ctx.set_materialize_grads(False)
+        # Around a new tensor object sharing `local`'s storage, as
+        # `from_local`; autograd makes the DTensor this function's output.
+        return dtensor_layouts.dtensor_from_spec(
+            local.detach(), dtensor_layouts.copy_spec(spec)
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        if grad._spec.placements != ctx.placements:
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        if torch.is_grad_enabled():
+            # Backward builds a graph: the gradient stays differentiable.
+            return grad.to_local(), None, None
+        return grad._local_tensor, None, None
 
 
 class _LocalView(torch.autograd.Function):

@@ -116,11 +116,13 @@ class _Bucket:
             )
         if self.reduce_op == "avg":
             self.flat /= _group_size(self.mesh, self.partial_dims)
-        offset = 0
+        offset = self.flat.storage_offset()
         for parameter, local_shape in self.entries:
-            numel = local_shape.numel()
-            local = self.flat[offset : offset + numel].view(local_shape)
-            offset += numel
+            # One `as_strided` costs a third of a slice and a `view`.
+            local = self.flat.as_strided(
+                local_shape, _contiguous_strides(local_shape), offset
+            )
+            offset += local_shape.numel()
             if id(parameter) in assigned:
                 parameter.grad._local_tensor.add_(local)
                 continue
@@ -411,6 +413,20 @@ def _like_parameter(local, parameter):
     return dtensor_layouts.dtensor_from_spec(
         local, dtensor_layouts.copy_spec(kept[1])
     )
+
+
+def _contiguous_strides(shape):
+    """The strides of a contiguous tensor of `shape`, computed once per
+    shape."""
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        strides = dtensor_layouts.contiguous_strides(shape)
+        _STRIDES[shape] = strides
+    return strides
+
+
+# torch.Size -> its contiguous strides.
+_STRIDES = {}
 
 
 def _contiguous_spec(spec):
