@@ -366,6 +366,53 @@ class BatchLocalTest(testing.TestCase):
             batch_local.local_tensor_of(x).numpy(), x.to_local().numpy()
         )
 
+    def test_outputs_are_laid_out_and_differentiated_as_from_local(self):
+        mesh = self.mesh.backend_mesh
+        values = torch.arange(12.0).reshape(4, 3)
+        reference = DTensor.from_local(values, mesh, [Shard(0)])
+        spec = reference._spec
+        for gradient_placement in (Shard(0), Replicate()):
+            grads = []
+            for make in (
+                lambda local: batch_local._AsDTensor.apply(
+                    local, spec, (Shard(0),)
+                ),
+                lambda local: DTensor.from_local(local, mesh, [Shard(0)]),
+            ):
+                local = values.clone().requires_grad_()
+                out = make(local)
+                self.assertIsInstance(out, DTensor)
+                self.assertEqual(out.placements, (Shard(0),))
+                self.assertEqual(out.shape, reference.shape)
+                self.assertEqual(out.stride(), reference.stride())
+                self.assertIsNot(out._spec, spec)
+                # The output's gradient arrives with these placements.
+                out.backward(
+                    distribute_tensor(
+                        torch.arange(12.0).reshape(4, 3) - 5.0,
+                        mesh,
+                        [gradient_placement],
+                    )
+                )
+                grads.append(local.grad)
+            self.assertNotIsInstance(grads[0], DTensor)
+            np.testing.assert_array_equal(grads[0].numpy(), grads[1].numpy())
+        # A partial output's gradient comes back replicated, as
+        # `from_local`'s.
+        local = torch.ones(3, requires_grad=True)
+        partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+        out = batch_local._AsDTensor.apply(local, partial._spec, (Replicate(),))
+        out.sum().backward()
+        np.testing.assert_array_equal(local.grad.numpy(), np.ones(3))
+        # Where backward builds a graph, the gradient stays differentiable.
+        local = values.clone().requires_grad_()
+        out = batch_local._AsDTensor.apply(local, spec, (Shard(0),))
+        (grad,) = torch.autograd.grad(
+            (out * out).sum(), local, create_graph=True
+        )
+        self.assertTrue(grad.requires_grad)
+        np.testing.assert_array_equal(grad.detach().numpy(), 2 * values)
+
     @contextlib.contextmanager
     def counting_gathers(self):
         """Counts the gathers of sharded values, one by one or by unit."""
