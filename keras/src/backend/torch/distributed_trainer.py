@@ -9,6 +9,12 @@
   and runs in `distribution_lib.replicate_created_tensors`, so that the
   tensors it creates from Python values are replicated DTensors. Without a
   distribution it runs as upstream's.
+- Under a distribution, an eager train step (of a model that does not
+  override `train_step`) is the copy of upstream's `train_step` in
+  `TRAIN_STEP_COPIES`, which clears and reads the gradients with that
+  mode suspended (`outside_step_mode`): they are attribute reads and
+  writes of every variable, which the mode would otherwise intercept one
+  by one, and create no tensor.
 - Under a distribution with `jit_compile=True`, the step is compiled with
   `distributed_step_backend` instead of upstream's plain `torch.compile`.
 
@@ -68,6 +74,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
 from keras.src import tree
+from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -95,11 +102,19 @@ class DistributedStepFunction:
         step_fn: the step function, taking the batch.
         compiled_for_distribution: whether `step_fn` was compiled by
             `compile_step_function` (with `distributed_step_backend`).
+        distributed_step_fn: the function run instead of `step_fn` under
+            a distribution, if any.
     """
 
-    def __init__(self, step_fn, compiled_for_distribution=False):
+    def __init__(
+        self,
+        step_fn,
+        compiled_for_distribution=False,
+        distributed_step_fn=None,
+    ):
         self.step_fn = step_fn
         self.compiled_for_distribution = compiled_for_distribution
+        self.distributed_step_fn = distributed_step_fn or step_fn
 
     def __call__(self, data):
         distribution = keras_distribution_lib.distribution()
@@ -109,7 +124,7 @@ class DistributedStepFunction:
         with distribution_lib.replicate_created_tensors(
             distribution.device_mesh, compiled=self.compiled_for_distribution
         ):
-            return self.step_fn(data)
+            return self.distributed_step_fn(data)
 
 
 def distribute_step_function(trainer, kind):
@@ -118,7 +133,8 @@ def distribute_step_function(trainer, kind):
     Called after upstream's `make_{kind}_function` set
     `trainer.{kind}_function`. Under a distribution it first checks that
     `trainer`'s variables are distributed. It then wraps that function in
-    a `DistributedStepFunction`, or, under a distribution with
+    a `DistributedStepFunction`, which runs it without a distribution and
+    `eager_step_on_data` under one, or, under a distribution with
     `jit_compile=True`, replaces it by the step compiled with
     `distributed_step_backend`. A function this already returned is kept,
     unless it is not compiled and a compiled one is now needed.
@@ -146,13 +162,16 @@ def distribute_step_function(trainer, kind):
             compiled_for_distribution=True,
         )
     elif step_function is not None:
-        step_function = DistributedStepFunction(step_function)
+        step_function = DistributedStepFunction(
+            step_function,
+            distributed_step_fn=eager_step_on_data(trainer, kind),
+        )
     setattr(trainer, attribute, step_function)
     return step_function
 
 
-def step_on_data(trainer, kind):
-    """The function of one batch that the compiled step of `kind` runs.
+def step_on_data(trainer, kind, eager=False):
+    """The function of one batch that the distributed step of `kind` runs.
 
     As upstream's `one_step_on_data`: it takes the batch as the data
     iterator yields it (a 1-tuple) and runs `trainer`'s step, test and
@@ -163,6 +182,7 @@ def step_on_data(trainer, kind):
     Args:
         trainer: the `TorchTrainer`.
         kind: one of `STEP_KINDS`.
+        eager: whether the step runs eagerly (else it is compiled).
 
     Returns:
         A function of the batch.
@@ -171,7 +191,7 @@ def step_on_data(trainer, kind):
         if _overrides_train_step(trainer):
             step = trainer.train_step
         else:
-            step = train_step_with_detached_predictions(trainer)
+            step = train_step_with_detached_predictions(trainer, eager=eager)
         return lambda data: step(data[0])
     step = getattr(trainer, f"{kind}_step")
 
@@ -182,6 +202,53 @@ def step_on_data(trainer, kind):
     return one_step_on_data
 
 
+def eager_step_on_data(trainer, kind):
+    """The function of one batch an eager step of `kind` runs under a
+    distribution: `step_on_data(trainer, kind, eager=True)` for a train
+    step, None (upstream's step function) for the others."""
+    if kind != "train":
+        return None
+    return step_on_data(trainer, kind, eager=True)
+
+
+def outside_step_mode(function, *args):
+    """Calls `function(*args)` with the step's torch function mode
+    suspended, where it is the innermost mode.
+
+    For code that only reads and writes attributes of tensors (the
+    variables' gradients), which the mode would intercept call by call and
+    pass through unchanged.
+    """
+    if created_tensors.current_mode() is None:
+        return function(*args)
+    with created_tensors.suspended():
+        return function(*args)
+
+
+def _call(function, *args):
+    """Calls `function(*args)`: `outside_step_mode` of a compiled step,
+    whose mode Dynamo traces."""
+    return function(*args)
+
+
+def _step_helpers(eager):
+    """`(backward, outside_mode)` of a train step copy.
+
+    A compiled step calls `loss.backward()` through
+    `torch.compiler.disable` and keeps its mode throughout; an eager step
+    calls backward directly and clears and reads the gradients with
+    `outside_step_mode`.
+    """
+    if eager:
+        return torch.Tensor.backward, outside_step_mode
+    return torch.compiler.disable(torch.Tensor.backward), _call
+
+
+def _gradient_list(trainable_weights):
+    """The gradients of `trainable_weights`, as upstream lists them."""
+    return [v.value.grad for v in trainable_weights]
+
+
 def _overrides_train_step(trainer):
     """Whether `trainer`'s class overrides `TorchTrainer.train_step`."""
     # Imported here: `trainer.py` imports this module.
@@ -190,7 +257,7 @@ def _overrides_train_step(trainer):
     return type(trainer).train_step is not TorchTrainer.train_step
 
 
-def train_step_with_detached_predictions(trainer):
+def train_step_with_detached_predictions(trainer, eager=False):
     """`TorchTrainer.train_step` for `trainer`, with `y_pred` detached
     before the gradients and the gradients computed outside Dynamo.
 
@@ -199,10 +266,13 @@ def train_step_with_detached_predictions(trainer):
     since both act on local variables of that one function (`y_pred`
     between the loss and the gradients, and `loss.backward()`). The
     computation is upstream's, step for step: the metrics read the same
-    predictions, without their autograd history.
+    predictions, without their autograd history. An eager step
+    (`eager=True`) also clears and lists the gradients with the step's
+    torch function mode suspended (`outside_step_mode`).
 
     Args:
         trainer: the `TorchTrainer`.
+        eager: whether the step runs eagerly (else it is compiled).
 
     Returns:
         A function of the unpacked batch, as `trainer.train_step`.
@@ -210,7 +280,7 @@ def train_step_with_detached_predictions(trainer):
     copy = TRAIN_STEP_COPIES.get(installed_train_step_sha256())
     if copy is None:
         copy = TRAIN_STEP_COPIES[UPSTREAM_TRAIN_STEP_SHA256]
-    return copy(trainer)
+    return copy(trainer, eager=eager)
 
 
 @functools.cache
@@ -223,15 +293,15 @@ def installed_train_step_sha256():
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-def train_step_copy_3_15(trainer):
+def train_step_copy_3_15(trainer, eager=False):
     """Keras 3.15.1's `train_step` for `trainer`, `y_pred` detached before
-    backward and `loss.backward()` called through
-    `torch.compiler.disable`."""
-    backward = torch.compiler.disable(torch.Tensor.backward)
+    backward, with `_step_helpers(eager)`' backward and gradient
+    access."""
+    backward, outside_mode = _step_helpers(eager)
 
     def gradients_of(loss, trainable_weights):
         backward(loss)
-        return [v.value.grad for v in trainable_weights]
+        return outside_mode(_gradient_list, trainable_weights)
 
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -239,7 +309,7 @@ def train_step_copy_3_15(trainer):
             y_pred = trainer(x, training=True)
         else:
             y_pred = trainer(x)
-        trainer.zero_grad()
+        outside_mode(trainer.zero_grad)
         loss = trainer._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
@@ -258,12 +328,13 @@ def train_step_copy_3_15(trainer):
     return train_step
 
 
-def train_step_copy_3_16_dev(trainer):
+def train_step_copy_3_16_dev(trainer, eager=False):
     """keras-nightly 3.16.0.dev2026102704's `train_step` for `trainer`,
-    `y_pred` detached after the loss, and `loss.backward()` and
-    `torch.autograd.grad` (which that keras calls for a compiled step
-    without DDP) called through `torch.compiler.disable`."""
-    backward = torch.compiler.disable(torch.Tensor.backward)
+    `y_pred` detached after the loss, with `_step_helpers(eager)`'
+    backward and gradient access, and `torch.autograd.grad` (which that
+    keras calls for a compiled step without DDP) called through
+    `torch.compiler.disable`."""
+    backward, outside_mode = _step_helpers(eager)
     grad = torch.compiler.disable(torch.autograd.grad)
 
     def gradients_of(loss, trainable_weights):
@@ -274,7 +345,7 @@ def train_step_copy_3_16_dev(trainer):
         ):
             return _gradients_by_grad(grad, loss, trainable_weights)
         backward(loss)
-        return [v.value.grad for v in trainable_weights]
+        return outside_mode(_gradient_list, trainable_weights)
 
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -283,7 +354,7 @@ def train_step_copy_3_16_dev(trainer):
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
-        model.zero_grad()
+        outside_mode(model.zero_grad)
         loss = trainer._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )

@@ -104,13 +104,17 @@ def test_the_installed_train_steps_copy_is_used(monkeypatch):
     digest = distributed_trainer.installed_train_step_sha256()
     calls = []
 
-    def copy(trainer):
-        calls.append(trainer)
+    def copy(trainer, eager=False):
+        calls.append((trainer, eager))
         return "the copy's step"
 
     monkeypatch.setitem(distributed_trainer.TRAIN_STEP_COPIES, digest, copy)
     step = distributed_trainer.train_step_with_detached_predictions("model")
-    assert step == "the copy's step" and calls == ["model"]
+    assert step == "the copy's step" and calls == [("model", False)]
+    distributed_trainer.train_step_with_detached_predictions(
+        "model", eager=True
+    )
+    assert calls[-1] == ("model", True)
 
 
 def test_without_distribution_step_functions_are_upstream():
@@ -191,10 +195,14 @@ def test_step_on_data_keeps_a_models_own_train_step(distribution):
     assert calls == ["batch"]
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_detached_train_step_matches_upstream(distribution, jit_compile):
+@pytest.mark.parametrize(
+    "jit_compile, eager", [(False, True), (True, False), (True, True)]
+)
+def test_detached_train_step_matches_upstream(distribution, jit_compile, eager):
     """Eager calls of both; with `jit_compile=True` a later keras computes
-    the gradients with `torch.autograd.grad` rather than backward."""
+    the gradients with `torch.autograd.grad` rather than backward. The
+    copy made for eager steps (`eager=True`) clears and lists the
+    gradients outside the step's mode."""
     x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
     y = np.arange(8) % 3
     results = []
@@ -202,7 +210,7 @@ def test_detached_train_step_matches_upstream(distribution, jit_compile):
         model = make_model(jit_compile=jit_compile)
         if detached:
             step = distributed_trainer.train_step_with_detached_predictions(
-                model
+                model, eager=eager
             )
         else:
             step = model.train_step
@@ -220,6 +228,57 @@ def test_detached_train_step_matches_upstream(distribution, jit_compile):
     assert len(weights) == len(detached_weights) == 4
     for weight, detached_weight in zip(weights, detached_weights):
         np.testing.assert_array_equal(weight, detached_weight)
+
+
+def intercepted_functions(monkeypatch):
+    """Records every function the step's torch function mode intercepts."""
+    from keras.src.backend.torch import created_tensors
+
+    seen = []
+    mode_class = created_tensors._ReplicateCreatedTensors
+    upstream = mode_class.__torch_function__
+
+    def record(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return upstream(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(mode_class, "__torch_function__", record)
+    return seen
+
+
+def test_eager_train_step_handles_gradients_outside_the_mode(
+    distribution, monkeypatch
+):
+    x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
+    y = np.arange(8) % 3
+    grad_accessors = {torch.Tensor.grad.__get__, torch.Tensor.grad.__set__}
+    results = []
+    for step_of in ("upstream", "eager copy"):
+        keras.utils.set_random_seed(0)
+        model = make_model(jit_compile=False)
+        model.make_train_function()
+        function = model.train_function
+        if step_of == "upstream":
+            function = distributed_trainer.DistributedStepFunction(
+                function.step_fn
+            )
+        seen = intercepted_functions(monkeypatch)
+        logs = function(((x, y),))
+        monkeypatch.undo()
+        grad_calls = [f for f in seen if f in grad_accessors]
+        logs = {k: keras.ops.convert_to_numpy(v) for k, v in logs.items()}
+        results.append((grad_calls, logs, model.get_weights()))
+    (upstream_calls, logs, weights), (copy_calls, copy_logs, copy_weights) = (
+        results
+    )
+    # Upstream's zero_grad and gradient list read each of the 4 variables'
+    # gradients through the mode; the eager copy reads none there.
+    assert len(upstream_calls) >= 8
+    assert copy_calls == []
+    for name, value in logs.items():
+        np.testing.assert_array_equal(copy_logs[name], value)
+    for weight, copy_weight in zip(weights, copy_weights):
+        np.testing.assert_array_equal(copy_weight, weight)
 
 
 def capture_graphs(graphs):
