@@ -48,13 +48,19 @@ made here avoid while DTensor still does all the math:
    it still runs the compiled backward graphs; only its Python glue (and
    the gradient reduction hooks) runs eagerly.
 4. Wrong numbers from the AOT autograd cache. Its key is computed from the
-   Dynamo graph and its inputs' metadata, and it evidently misses
-   something the code DTensor lowers the graph to depends on: with
-   entries left in the shared cache folder by earlier runs (other meshes
-   and code versions), ModelParallel losses were off by up to 26% from
-   the first step, while a fresh cache folder, or no AOT autograd cache,
-   gave the eager numbers. The backend compiles without the AOT autograd
-   cache; inductor's own cache, keyed on the lowered graph, stays on.
+   Dynamo graph and its inputs' metadata; for a DTensor input that is the
+   mesh's ranks, layout and dim names, but not the names of the mesh's
+   process groups, which the collectives of the lowered graph hard-code
+   (groups are named in the order a process creates them). An entry left
+   by an earlier run that created its groups in another order (other
+   meshes, other code versions) then all-reduces over the wrong group:
+   ModelParallel losses were off by up to 26% from the first step, and
+   `scripts/torch_aot_cache_group_names.py` reproduces it in a few lines
+   of torch. Inductor's own cache is keyed on the lowered graph, names
+   included, and is right. The backend adds what the key misses
+   (`ProcessGroupCacheKey`): this process's rank, the name and ranks of
+   each of its process groups, and the sources of this backend, whose
+   sharding rules DTensor's lowering follows.
 
 Shapes are static (`dynamic=False`): with automatic dynamic shapes,
 tracing the transformer's graphs under DTensor ended in a RecursionError.
@@ -64,12 +70,18 @@ and of the step itself, on the thread that runs the step; building a step
 function issues none.
 """
 
+import contextlib
 import functools
+import glob
 import hashlib
 import inspect
+import os
 import warnings
 
 import torch
+import torch.distributed as dist
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
@@ -433,7 +445,8 @@ def compile_step_function(step_fn):
 def distributed_step_backend(graph_module, example_inputs):
     """The `torch.compile` backend of steps under a distribution.
 
-    Inductor (upstream's default) without the AOT autograd cache, after
+    Inductor (upstream's default) with its AOT autograd cache keyed by
+    `aot_autograd_cache_keyed_by_process_groups`, after
     `clone_aliased_dtensor_outputs`, with the outputs of each call tied by
     `tie_differentiable_dtensor_outputs`.
 
@@ -447,13 +460,102 @@ def distributed_step_backend(graph_module, example_inputs):
     from torch._dynamo.backends.registry import lookup_backend
 
     clone_aliased_dtensor_outputs(graph_module)
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with aot_autograd_cache_keyed_by_process_groups():
         compiled = lookup_backend("inductor")(graph_module, example_inputs)
 
     def run_compiled(*args):
         return tie_differentiable_dtensor_outputs(compiled(*args))
 
     return run_compiled
+
+
+@contextlib.contextmanager
+def aot_autograd_cache_keyed_by_process_groups():
+    """Inside, inductor's caches are keyed by `ProcessGroupCacheKey` too.
+
+    The key goes in through inductor's `post_grad_custom_post_pass`, whose
+    `uuid()` both of inductor's cache keys include: `ProcessGroupCacheKey`
+    takes that slot and runs the pass configured there, if any. A plain
+    function configured there cannot carry a key: the AOT autograd cache
+    is then off inside.
+    """
+    configured = inductor_config.post_grad_custom_post_pass
+    if configured is not None and not isinstance(configured, CustomGraphPass):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+        return
+    keyed = ProcessGroupCacheKey(configured)
+    with inductor_config.patch(post_grad_custom_post_pass=keyed):
+        yield
+
+
+class ProcessGroupCacheKey(CustomGraphPass):
+    """A post-grad pass that only carries the cache key AOT autograd misses.
+
+    Running it runs the pass it wraps, if any. Its `uuid()` is that pass's
+    with `process_group_cache_key()` and `backend_sources_digest()`, or
+    None (no caching, as inductor reads it) where the wrapped pass's is.
+
+    Args:
+        configured: the `CustomGraphPass` configured before, or None.
+    """
+
+    def __init__(self, configured=None):
+        self.configured = configured
+
+    def __call__(self, graph):
+        if self.configured is not None:
+            self.configured(graph)
+
+    def uuid(self):
+        configured = None
+        if self.configured is not None:
+            configured = self.configured.uuid()
+            if configured is None:
+                return None
+        return (
+            configured,
+            process_group_cache_key(),
+            backend_sources_digest(),
+        )
+
+
+def process_group_cache_key():
+    """This process's rank and every process group it knows, as
+    `(rank, ((group name, global ranks in group-rank order), ...))`.
+
+    A graph lowered here refers to its collectives' groups by name; a
+    cached graph is right in another process only where each name stands
+    for the same ranks in the same order. Reads the registry of
+    `torch.distributed`; issues no collective.
+    """
+    if not dist.is_initialized():
+        return (None, ())
+    world = dist.distributed_c10d._world
+    groups = []
+    for group, name in world.pg_names.items():
+        ranks = world.pg_group_ranks.get(group, {})
+        in_order = tuple(sorted(ranks, key=ranks.get))
+        groups.append((name, in_order))
+    return (dist.get_rank(), tuple(sorted(groups)))
+
+
+@functools.cache
+def backend_sources_digest():
+    """SHA-256 of this backend's module sources (tests aside).
+
+    Among them the sharding rules DTensor lowers graphs with
+    (`sharding_rules`): a cached graph lowered under other rules is stale.
+    """
+    digest = hashlib.sha256()
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+        if path.endswith("_test.py"):
+            continue
+        digest.update(os.path.basename(path).encode())
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()
 
 
 def _storage_of(node):

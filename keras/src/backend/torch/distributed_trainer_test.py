@@ -13,7 +13,10 @@ import inspect
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch._dynamo.backends import registry
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
@@ -37,12 +40,17 @@ def distribution():
 @pytest.fixture
 def inductor_calls(monkeypatch):
     """Replaces inductor by `aot_eager`; records the AOT autograd cache
-    setting of each call."""
+    setting and the post-grad custom pass of each call."""
     calls = []
     upstream_lookup = registry.lookup_backend
 
     def aot_eager(graph_module, example_inputs):
-        calls.append(torch._functorch.config.enable_autograd_cache)
+        calls.append(
+            (
+                torch._functorch.config.enable_autograd_cache,
+                inductor_config.post_grad_custom_post_pass,
+            )
+        )
         return upstream_lookup("aot_eager")(graph_module, example_inputs)
 
     monkeypatch.setattr(
@@ -316,7 +324,7 @@ def test_aliased_dtensor_outputs_are_cloned(distribution):
     assert distributed_trainer.clone_aliased_dtensor_outputs(graph_module) == []
 
 
-def test_backend_runs_inductor_without_the_autograd_cache(
+def test_backend_keys_the_autograd_cache_by_process_groups(
     distribution, inductor_calls
 ):
     mesh = distribution.device_mesh.backend_mesh
@@ -328,9 +336,72 @@ def test_backend_runs_inductor_without_the_autograd_cache(
 
     compiled = distributed_trainer.compile_step_function(f)
     y, y_t = compiled(x)
-    assert inductor_calls == [False]
-    assert torch._functorch.config.enable_autograd_cache is not False
+    ((cache_enabled, keyed),) = inductor_calls
+    assert cache_enabled is True
+    assert isinstance(keyed, distributed_trainer.ProcessGroupCacheKey)
+    assert keyed.uuid() == (
+        None,
+        distributed_trainer.process_group_cache_key(),
+        distributed_trainer.backend_sources_digest(),
+    )
+    assert inductor_config.post_grad_custom_post_pass is None
     np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
+
+
+def test_process_group_cache_key_names_every_group(distribution):
+    rank, groups = distributed_trainer.process_group_cache_key()
+    assert rank == dist.get_rank() == 0
+    names = dict(groups)
+    assert names[dist.group.WORLD.group_name] == (0,)
+    mesh = distribution.device_mesh.backend_mesh
+    assert names[mesh.get_group(0).group_name] == (0,)
+    new_group = dist.new_group([0])
+    after = dict(distributed_trainer.process_group_cache_key()[1])
+    assert after == {**names, new_group.group_name: (0,)}
+
+
+class RecordingPass(CustomGraphPass):
+    def __init__(self, uuid):
+        self.graphs = []
+        self._uuid = uuid
+
+    def __call__(self, graph):
+        self.graphs.append(graph)
+
+    def uuid(self):
+        return self._uuid
+
+
+def test_cache_key_wraps_the_configured_pass(distribution):
+    configured = RecordingPass("theirs")
+    with inductor_config.patch(post_grad_custom_post_pass=configured):
+        with distributed_trainer.aot_autograd_cache_keyed_by_process_groups():
+            keyed = inductor_config.post_grad_custom_post_pass
+            assert torch._functorch.config.enable_autograd_cache is True
+        assert inductor_config.post_grad_custom_post_pass is configured
+    keyed("graph")
+    assert configured.graphs == ["graph"]
+    assert keyed.uuid()[0] == "theirs"
+    assert keyed.uuid()[1:] == (
+        distributed_trainer.process_group_cache_key(),
+        distributed_trainer.backend_sources_digest(),
+    )
+    # A pass that asks for no caching keeps asking.
+    assert (
+        distributed_trainer.ProcessGroupCacheKey(RecordingPass(None)).uuid()
+        is None
+    )
+
+
+def test_configured_plain_function_turns_the_autograd_cache_off(distribution):
+    def plain(graph):
+        pass
+
+    with inductor_config.patch(post_grad_custom_post_pass=plain):
+        with distributed_trainer.aot_autograd_cache_keyed_by_process_groups():
+            assert inductor_config.post_grad_custom_post_pass is plain
+            assert torch._functorch.config.enable_autograd_cache is False
+    assert torch._functorch.config.enable_autograd_cache is not False
 
 
 def test_output_that_backward_does_not_reach_gets_a_zero_tangent(
