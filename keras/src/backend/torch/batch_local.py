@@ -136,6 +136,10 @@ _SWAPPED = {}
 # The number of local calls running (nested calls count each).
 _LOCAL_CALLS = [0]
 
+# The number of steps running whose backward pass accumulates into the
+# variables (`accumulating_into_variables`).
+_ACCUMULATING_STEPS = [0]
+
 # Argument values other than tensors that a signature holds as they are.
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -289,6 +293,24 @@ def running_locally():
     return _LOCAL_CALLS[0] > 0
 
 
+@contextlib.contextmanager
+def accumulating_into_variables():
+    """Marks a step whose backward pass accumulates into the variables.
+
+    Inside it, local calls read replicated variables as gradient leaves
+    (`gradient_buckets.gradient_leaf`), whose gradients autograd hands
+    to the buckets as soon as each is complete. For a step that calls
+    `loss.backward()` and reads the variables' gradients, as Keras's
+    train step does: `torch.autograd.grad` of a variable does not see its
+    gradient leaves.
+    """
+    _ACCUMULATING_STEPS[0] += 1
+    try:
+        yield
+    finally:
+        _ACCUMULATING_STEPS[0] -= 1
+
+
 class _Verdict:
     """How a layer's local call lays out its outputs.
 
@@ -308,8 +330,9 @@ class _Verdict:
         units: for each variable sharded over the batch axes, its
             `_Unit` (the variables gathered with it); empty when the layer
             reads none.
-        views: id(variable) -> `(value, local tensor, view)`: the local
-            view of each replicated variable a local call read with
+        views: id(variable) -> `(value, local tensor, view, whether it
+            was made in a step accumulating into the variables)`: the
+            local view of each replicated variable a local call read with
             gradients on, kept for the next calls (`_LocalVariables`).
     """
 
@@ -848,11 +871,33 @@ class _LocalVariables(StatelessScope):
             if self.units and _is_sharded(value, self.gradient_placements):
                 # Not kept: freed as soon as forward is done with it.
                 return self._gathered_view(variable, value, spec)
-            view = _LocalView.apply(value, spec)
-            if self.views is not None and view.grad_fn is not None:
-                self.views[id(variable)] = (value, value._local_tensor, view)
+            view = self._new_view(value, spec)
             self.state_mapping[id(variable)] = view
+            if self.views is not None and view.requires_grad:
+                self.views[id(variable)] = (
+                    value,
+                    value._local_tensor,
+                    view,
+                    _ACCUMULATING_STEPS[0] > 0,
+                )
         return view
+
+    def _new_view(self, value, spec):
+        """The local view of a replicated value: a gradient leaf inside a
+        step that accumulates into the variables (and keeps views), else
+        the output of `_LocalView`."""
+        if (
+            _ACCUMULATING_STEPS[0]
+            and self.views is not None
+            and value.requires_grad
+            and torch.is_grad_enabled()
+        ):
+            leaf = gradient_buckets.gradient_leaf(
+                value, spec.placements, value._local_tensor
+            )
+            if leaf is not None:
+                return leaf
+        return _LocalView.apply(value, spec)
 
     def _kept_view(self, variable):
         """The view an earlier call made of this variable, if still good.
@@ -866,12 +911,15 @@ class _LocalVariables(StatelessScope):
         kept = self.views.get(id(variable))
         if kept is None:
             return None
-        value, local, view = kept
+        value, local, view, accumulating = kept
         if (
             variable._value is not value
             or value._local_tensor is not local
             or not value.requires_grad
             or not torch.is_grad_enabled()
+            # Views made for steps that accumulate may be gradient
+            # leaves; other steps need views that lead back to the value.
+            or accumulating != (_ACCUMULATING_STEPS[0] > 0)
         ):
             return None
         self.state_mapping[id(variable)] = view

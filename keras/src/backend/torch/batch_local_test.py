@@ -22,6 +22,7 @@ from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gathered_units
+from keras.src.backend.torch import gradient_buckets
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.distribution import remat
 
@@ -298,6 +299,50 @@ class BatchLocalTest(testing.TestCase):
             expected.append(kernel.grad)
         for gradient, want in zip(gradients, expected):
             self.assertAllClose(gradient.numpy(), want.numpy())
+
+    def test_steps_that_accumulate_read_gradient_leaves(self):
+        dense, x = self.watched_dense()
+        (verdict,) = self.verdicts(dense)
+        # Reduce over the one-process batch axis as if it were larger.
+        for patcher in (
+            mock.patch.object(
+                gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
+            ),
+            mock.patch.dict(gradient_buckets._REDUCTIONS, clear=True),
+        ):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+        gradients, views = [], []
+        for accumulating in (True, True, False, True):
+            dense.kernel.value.grad = None
+            step = (
+                batch_local.accumulating_into_variables()
+                if accumulating
+                else contextlib.nullcontext()
+            )
+            with step:
+                out = self.call_in_step(dense, x)
+                (out * out).sum().backward()
+            view = verdict.views[id(dense.kernel)][2]
+            self.assertEqual(view.is_leaf, accumulating)
+            if view.is_leaf:
+                # Its gradient went to the kernel's bucket.
+                self.assertIsNone(view.grad)
+            gradient = dense.kernel.value.grad
+            self.assertEqual(tuple(gradient.placements), (Replicate(),))
+            gradients.append(gradient.full_tensor())
+            views.append(view)
+        # A leaf is kept from step to step; a step that does not
+        # accumulate reads a view that leads back to the value, and the
+        # next accumulating step a new leaf.
+        self.assertIs(views[1], views[0])
+        self.assertIsNot(views[3], views[0])
+        for gradient in gradients[1:]:
+            self.assertAllClose(gradient.numpy(), gradients[0].numpy())
+        kernel = dense.kernel.value.full_tensor().detach().requires_grad_()
+        plain = x.full_tensor() @ kernel + dense.bias.value.full_tensor()
+        (plain * plain).sum().backward()
+        self.assertAllClose(gradients[0].numpy(), kernel.grad.numpy())
 
     def test_kept_views_are_dropped_when_not_good(self):
         dense, x = self.watched_dense()

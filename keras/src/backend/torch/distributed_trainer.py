@@ -86,6 +86,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
 from keras.src import tree
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
 from keras.src.distribution import distribution_lib as keras_distribution_lib
@@ -280,7 +281,11 @@ def train_step_with_detached_predictions(trainer, eager=False):
     computation is upstream's, step for step: the metrics read the same
     predictions, without their autograd history. An eager step
     (`eager=True`) also clears and lists the gradients with the step's
-    torch function mode suspended (`outside_step_mode`).
+    torch function mode suspended (`outside_step_mode`), and runs in
+    `batch_local.accumulating_into_variables`: its `loss.backward()`
+    accumulates into the variables, so layers running on local tensors
+    read them as gradient leaves, whose gradients are reduced as soon as
+    each is complete.
 
     Args:
         trainer: the `TorchTrainer`.
@@ -292,7 +297,15 @@ def train_step_with_detached_predictions(trainer, eager=False):
     copy = TRAIN_STEP_COPIES.get(installed_train_step_sha256())
     if copy is None:
         copy = TRAIN_STEP_COPIES[UPSTREAM_TRAIN_STEP_SHA256]
-    return copy(trainer, eager=eager)
+    step = copy(trainer, eager=eager)
+    if not eager:
+        return step
+
+    def accumulating_step(data):
+        with batch_local.accumulating_into_variables():
+            return step(data)
+
+    return accumulating_step
 
 
 @functools.cache

@@ -33,6 +33,7 @@ placements only on such axes is handed to the parameter at once, as the
 same local tensor laid out as the parameter, without a bucket.
 """
 
+import functools
 import os
 
 import torch
@@ -238,6 +239,70 @@ def reduce_local_gradient(node, local, placements):
         return False
     _add(parameter, local, reduction, kept[3])
     return True
+
+
+def gradient_leaf(parameter, placements, local):
+    """A leaf tensor on `local`'s storage whose gradients join the buckets.
+
+    The local view a layer reads a parameter through in a step whose
+    backward pass accumulates into the parameters (`loss.backward()`, as
+    Keras's train step calls it): each gradient autograd accumulates into
+    the leaf is taken out at once and joins its bucket, as a local view's
+    (`reduce_local_gradient`) does. Autograd runs a leaf's accumulation as
+    soon as its gradient is complete, as it runs DDP's hooks, so buckets
+    are sent while backward goes on; a view made by an autograd function
+    runs in the order it was made, and one kept from an earlier step would
+    run last. The leaf shares `local`'s storage and version counter, so it
+    sees the optimizer's in-place updates.
+
+    The leaf does not lead back to `parameter`: `torch.autograd.grad` of
+    the parameter does not see it. Its gradients reach the parameter only
+    through the buckets.
+
+    Args:
+        parameter: a `torch.nn.Parameter` holding a DTensor.
+        placements: the placements of the view's gradients as DTensors:
+            partial sums over the batch axes.
+        local: the parameter's local tensor.
+
+    Returns:
+        The leaf, or None unless the buckets reduce the parameter's
+        gradients and these need an all-reduce over processes.
+    """
+    hooks = parameter._post_accumulate_grad_hooks
+    if hooks is None or reduce_gradient_when_ready not in hooks.values():
+        return None
+    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
+    if (
+        kept is None
+        or kept[0] is not parameter._spec
+        or kept[1] is not placements
+    ):
+        kept = _local_reduction_plan(parameter, placements, local)
+    reduction = kept[2]
+    if reduction is None or not reduction[0]:
+        return None
+    leaf = local.detach().requires_grad_()
+    leaf.register_post_accumulate_grad_hook(
+        functools.partial(_bucket_leaf_gradient, parameter, reduction, kept[3])
+    )
+    return leaf
+
+
+def _bucket_leaf_gradient(parameter, reduction, key, leaf):
+    """Post-accumulate-grad hook of a `gradient_leaf`: moves its gradient
+    to the parameter's bucket."""
+    grad = leaf.grad
+    leaf.grad = None
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "A backward pass that builds a graph (`create_graph=True`) "
+            "reached a local view of a distributed variable made for "
+            "`loss.backward()` in Keras's train step; its gradient cannot "
+            "be differentiated again."
+        )
+    _queue_finalizer()
+    _add(parameter, grad, reduction, key)
 
 
 def _local_reduction_plan(parameter, placements, local):

@@ -247,17 +247,27 @@ def local_view(parameter, mesh):
     return batch_local._LocalView.apply(parameter, spec)
 
 
+def gradient_leaf(parameter):
+    """A local call's view of `parameter` in a step that accumulates."""
+    return gradient_buckets.gradient_leaf(
+        parameter, (Partial(),), parameter._local_tensor
+    )
+
+
 def shared_weight_loss(weight, other, mesh, reads):
     """A loss reading `weight` once per item of `reads`, plus `other`.
 
     Each read is "local" (a local view, as a layer running on local
-    tensors makes) or "dtensor" (the DTensor itself).
+    tensors makes), "leaf" (a gradient leaf, as it makes in Keras's train
+    step) or "dtensor" (the DTensor itself).
     """
     x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
     h = distribute_tensor(x, mesh, [Shard(0)]).to_local()
     for read in reads:
         if read == "local":
             h = torch.tanh(h @ local_view(weight, mesh))
+        elif read == "leaf":
+            h = torch.tanh(h @ gradient_leaf(weight))
         else:
             h = DTensor.from_local(h, mesh, [Shard(0)], run_check=False)
             h = torch.tanh(h @ weight).to_local()
@@ -325,6 +335,84 @@ class LocalViewGradientTest(testing.TestCase):
         # Every gradient sends its bucket: the weight's two reads reach
         # two buckets, and the second is added to the first's result.
         self.check(["local", "local"], "0", all_reduces=3)
+
+    def test_gradient_leaf_reads(self):
+        self.check(["leaf"], "25", all_reduces=1)
+        self.check(["leaf", "local"], "25", all_reduces=1)
+        # Every gradient sends its bucket: each read's gradient is reduced
+        # by itself and the weight's are added up after.
+        self.check(["leaf", "leaf"], "0", all_reduces=3)
+
+    def test_gradient_leaves_send_buckets_as_gradients_complete(self):
+        # Views kept from an earlier step run after every operator made
+        # since; a leaf's gradient joins its bucket as soon as it is
+        # complete. With a bucket per gradient, `other` (the last layer)
+        # is sent before the first layer's operators run backward.
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        old_views = [
+            local_view(weight, self.mesh),
+            local_view(other, self.mesh),
+        ]
+        leaves = [gradient_leaf(weight), gradient_leaf(other)]
+        x = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48.0
+        order = []
+
+        def loss(first, second):
+            h = torch.tanh(x @ first)
+            h.register_hook(lambda grad: order.append("first layer"))
+            return ((h @ second) ** 2).sum()
+
+        for views, expected in (
+            (old_views, ["first layer", "sent", "sent"]),
+            (leaves, ["sent", "first layer", "sent"]),
+        ):
+            order.clear()
+            weight.grad = other.grad = None
+            with (
+                mock.patch.dict(
+                    os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: "0"}
+                ),
+                mock.patch.object(
+                    torch.distributed,
+                    "all_reduce",
+                    side_effect=lambda *a, **k: (
+                        order.append("sent")
+                        or torch.distributed.distributed_c10d.all_reduce(
+                            *a, **k
+                        )
+                    ),
+                ),
+            ):
+                loss(*views).backward()
+            self.assertEqual(order, expected)
+            self.assertIsNone(leaves[0].grad)
+            self.assertIsNone(leaves[1].grad)
+            for parameter, want in zip(
+                (weight, other), expected_gradients(self.mesh, ["local"])
+            ):
+                self.assertAllClose(
+                    parameter.grad.full_tensor().numpy(), want, atol=1e-6
+                )
+
+    def test_gradient_leaf_refuses_a_graph_of_its_gradient(self):
+        weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
+        loss = shared_weight_loss(weight, other, self.mesh, ["leaf"])
+        with self.assertRaisesRegex(RuntimeError, "create_graph"):
+            loss.backward(create_graph=True)
+        gradient_buckets._PENDING = gradient_buckets._PendingReduction()
+
+    def test_no_gradient_leaf_without_an_all_reduce(self):
+        # A parameter whose gradients the buckets do not reduce, or whose
+        # batch axes hold one process, is read through `_LocalView`.
+        (plain,) = replicated_parameters(self.mesh, [(8, 8)])
+        plain._post_accumulate_grad_hooks.clear()
+        self.assertIsNone(gradient_leaf(plain))
+        with mock.patch.dict(gradient_buckets._REDUCTIONS, clear=True):
+            with mock.patch.object(
+                gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 1
+            ):
+                (one,) = replicated_parameters(self.mesh, [(8, 8)])
+                self.assertIsNone(gradient_leaf(one))
 
     def test_local_and_dtensor_reads_are_summed(self):
         weight, other = replicated_parameters(self.mesh, [(8, 8), (8, 3)])
