@@ -339,6 +339,8 @@ class LocalViewGradientTest(testing.TestCase):
     def test_gradient_leaf_reads(self):
         self.check(["leaf"], "25", all_reduces=1)
         self.check(["leaf", "local"], "25", all_reduces=1)
+        # The DTensor read's partial gradient joins the same bucket.
+        self.check(["leaf", "dtensor", "leaf"], "25", all_reduces=1)
         # Every gradient sends its bucket: each read's gradient is reduced
         # by itself and the weight's are added up after.
         self.check(["leaf", "leaf"], "0", all_reduces=3)
