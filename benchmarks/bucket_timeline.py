@@ -12,7 +12,8 @@ for.
 Run it like the harness, e.g.:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
-        benchmarks/bucket_timeline.py --workload transformer
+        benchmarks/bucket_timeline.py --workload transformer,llama \\
+        --steps 10
 
 Rank 0 prints one line per step (ms from the step's start) and the median
 position of the first bucket's send in backward (0%: its start, 100%: its
@@ -28,9 +29,9 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import cell  # noqa: E402
 import measure  # noqa: E402
+import run  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import workloads  # noqa: E402
 
 import keras  # noqa: E402
 
@@ -87,23 +88,16 @@ def watch(timeline):
 
 
 def parse_args(argv=None):
+    """This script's flags, and `run.py`'s (workloads, sizes, steps)."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workload", default="transformer")
-    parser.add_argument("--mode", default="dp")
-    defaults = workloads.Config()
-    for field in ("hidden", "layers", "batch", "seq", "heads", "vocab"):
-        parser.add_argument(
-            f"--{field}", type=int, default=getattr(defaults, field)
-        )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--no-gradient-leaves",
         action="store_true",
         help="Local calls read variables through views made by an autograd "
         "function, kept from step to step, as before commit 59e7922.",
     )
-    return parser.parse_args(argv)
+    own, rest = parser.parse_known_args(argv)
+    return own, run.parse_args(rest)
 
 
 def without_gradient_leaves():
@@ -113,24 +107,13 @@ def without_gradient_leaves():
     gradient_buckets.gradient_leaf = lambda parameter, placements, local: None
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    keras.distribution.initialize()
-    config = workloads.Config(
-        hidden=args.hidden,
-        layers=args.layers,
-        batch=args.batch,
-        seq=args.seq,
-        heads=args.heads,
-        vocab=args.vocab,
-    )
-    if args.no_gradient_leaves:
-        without_gradient_leaves()
-    result = cell.new_cell(args.workload, args.mode)
+def timeline_of(workload, config, args, timeline):
+    """Runs `args.steps` DataParallel steps of `workload`, printing each
+    step's events (`timeline`, watched) on rank 0; returns the first
+    bucket's positions in backward (percent)."""
+    result = cell.new_cell(workload, "dp")
     options = {"steps": 0, "warmup": args.warmup, "jit": False, "seed": 0}
     step = cell.prepare(result, config, options)["keras"]
-    timeline = Timeline()
-    watch(timeline)
     positions = []
     for _ in range(args.steps):
         measure.barrier()
@@ -144,12 +127,25 @@ def main(argv=None):
             positions.append(100 * (sent - start) / (end - start))
         if dist.get_rank() == 0:
             print(" | ".join(f"{name} {t:.1f}" for name, t in timeline.events))
-    if dist.get_rank() == 0 and positions:
-        print(
-            f"== {args.workload}/{args.mode}: first bucket sent at "
-            f"{statistics.median(positions):.0f}% of backward (median of "
-            f"{args.steps} steps)"
-        )
+    return positions
+
+
+def main(argv=None):
+    own, args = parse_args(argv)
+    keras.distribution.initialize()
+    if own.no_gradient_leaves:
+        without_gradient_leaves()
+    config = run.config_from(args)
+    timeline = Timeline()
+    watch(timeline)
+    for workload in args.workload.split(","):
+        positions = timeline_of(workload, config, args, timeline)
+        if dist.get_rank() == 0 and positions:
+            print(
+                f"== {workload}/dp: first bucket sent at "
+                f"{statistics.median(positions):.0f}% of backward (median "
+                f"of {args.steps} steps)"
+            )
 
 
 if __name__ == "__main__":

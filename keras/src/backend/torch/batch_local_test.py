@@ -22,7 +22,7 @@ from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gathered_units
-from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import gradient_buckets_test
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.distribution import remat
 
@@ -304,14 +304,7 @@ class BatchLocalTest(testing.TestCase):
         dense, x = self.watched_dense()
         (verdict,) = self.verdicts(dense)
         # Reduce over the one-process batch axis as if it were larger.
-        for patcher in (
-            mock.patch.object(
-                gradient_buckets, "_mesh_dim_size", lambda mesh, dim: 2
-            ),
-            mock.patch.dict(gradient_buckets._REDUCTIONS, clear=True),
-        ):
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        gradient_buckets_test.pretend_mesh_dims_of_size_two(self)
         gradients, views = [], []
         for accumulating in (True, True, False, True):
             dense.kernel.value.grad = None

@@ -219,13 +219,7 @@ def reduce_local_gradient(node, local, placements):
     except RuntimeError:
         # `torch.autograd.grad` does not accumulate into leaves.
         return False
-    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
-    if (
-        kept is None
-        or kept[0] is not parameter._spec
-        or kept[1] is not placements
-    ):
-        kept = _local_reduction_plan(parameter, placements, local)
+    kept = _local_reduction_plan(parameter, placements, local)
     reduction = kept[2]
     if reduction is None:
         return False
@@ -272,13 +266,7 @@ def gradient_leaf(parameter, placements, local):
     hooks = parameter._post_accumulate_grad_hooks
     if hooks is None or reduce_gradient_when_ready not in hooks.values():
         return None
-    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
-    if (
-        kept is None
-        or kept[0] is not parameter._spec
-        or kept[1] is not placements
-    ):
-        kept = _local_reduction_plan(parameter, placements, local)
+    kept = _local_reduction_plan(parameter, placements, local)
     reduction = kept[2]
     if reduction is None or not reduction[0]:
         return None
@@ -311,6 +299,13 @@ def _local_reduction_plan(parameter, placements, local):
 
     Planned once per parameter spec and gradient placements.
     """
+    kept = getattr(parameter, _LOCAL_REDUCTION_ATTRIBUTE, None)
+    if (
+        kept is not None
+        and kept[0] is parameter._spec
+        and kept[1] is placements
+    ):
+        return kept
     spec = parameter._spec
     reduction = _cached_reduction(spec.mesh, placements, spec.placements)
     kept = (
