@@ -56,7 +56,9 @@ Two things a local call keeps, so that the next one costs less Python
 time: the local view of each replicated variable it read with gradients
 on (kept on its verdict, and read again while the variable holds the same
 value; the view shares the local tensor's storage and version counter,
-so it sees the optimizer's in-place updates), and, on each DTensor it
+so it sees the optimizer's in-place updates; in Keras's train step, a
+gradient leaf whose gradient goes straight to the variable's bucket,
+`accumulating_into_variables`), and, on each DTensor it
 returns, the local tensor it computed. A later local call, or a loss
 reduction (`batch_reductions`), given such a DTensor unchanged reads that
 local tensor (`local_tensor_of`) instead of going through `to_local`: its

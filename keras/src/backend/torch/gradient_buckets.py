@@ -25,7 +25,10 @@ accumulated for it. A parameter may then reach the buckets more than
 once in one backward pass (a layer called twice, a weight shared by two
 layers, or read both locally and on DTensors): its gradients are summed
 before the all-reduce where they share an open bucket, and after it
-otherwise.
+otherwise. In Keras's train step the view is a gradient leaf instead
+(`gradient_leaf`): autograd runs a leaf's accumulation as soon as its
+gradient is complete, so buckets fill, and are sent, in the order
+backward completes gradients, as DDP's hooks send them.
 
 Mesh axes of one process need no reduction: a partial sum over one
 process is the whole sum. A gradient that differs from its parameter's
