@@ -213,8 +213,7 @@ def reduce_local_gradient(node, local, placements):
     if type(node) is not _ACCUMULATE_GRAD or torch.is_grad_enabled():
         return False
     parameter = node.variable
-    hooks = parameter._post_accumulate_grad_hooks
-    if hooks is None or reduce_gradient_when_ready not in hooks.values():
+    if not _reduced_by_buckets(parameter):
         return False
     try:
         if not torch._C._will_engine_execute_node(node):
@@ -266,8 +265,7 @@ def gradient_leaf(parameter, placements, local):
         The leaf, or None unless the buckets reduce the parameter's
         gradients and these need an all-reduce over processes.
     """
-    hooks = parameter._post_accumulate_grad_hooks
-    if hooks is None or reduce_gradient_when_ready not in hooks.values():
+    if not _reduced_by_buckets(parameter):
         return None
     kept = _local_reduction_plan(parameter, placements, local)
     reduction = kept[2]
@@ -278,6 +276,13 @@ def gradient_leaf(parameter, placements, local):
         functools.partial(_bucket_leaf_gradient, parameter, reduction, kept[3])
     )
     return leaf
+
+
+def _reduced_by_buckets(parameter):
+    """Whether the parameter's gradients go through the buckets: it has
+    `reduce_gradient_when_ready` as a post-accumulate-grad hook."""
+    hooks = parameter._post_accumulate_grad_hooks
+    return hooks is not None and reduce_gradient_when_ready in hooks.values()
 
 
 def _bucket_leaf_gradient(parameter, reduction, key, leaf):
