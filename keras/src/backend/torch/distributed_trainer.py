@@ -60,7 +60,10 @@ made here avoid while DTensor still does all the math:
    included, and is right. The backend adds what the key misses
    (`ProcessGroupCacheKey`): this process's rank, the name and ranks of
    each of its process groups, and the sources of this backend, whose
-   sharding rules DTensor's lowering follows.
+   sharding rules DTensor's lowering follows. Both caches' keys also
+   pickled each input mesh's cached `hash()`, which changes from run to
+   run, so graphs with a mesh input never hit; the backend pickles meshes
+   without it (`device_meshes_pickled_without_hash`).
 
 Shapes are static (`dynamic=False`): with automatic dynamic shapes,
 tracing the transformer's graphs under DTensor ended in a RecursionError.
@@ -71,6 +74,7 @@ function issues none.
 """
 
 import contextlib
+import copyreg
 import functools
 import glob
 import hashlib
@@ -82,6 +86,7 @@ import torch
 import torch.distributed as dist
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
@@ -459,7 +464,8 @@ def distributed_step_backend(graph_module, example_inputs):
     """The `torch.compile` backend of steps under a distribution.
 
     Inductor (upstream's default) with its AOT autograd cache keyed by
-    `aot_autograd_cache_keyed_by_process_groups`, after
+    `aot_autograd_cache_keyed_by_process_groups` and its cache keys made
+    the same in every run by `device_meshes_pickled_without_hash`, after
     `clone_aliased_dtensor_outputs`, with the outputs of each call tied by
     `tie_differentiable_dtensor_outputs`.
 
@@ -473,7 +479,10 @@ def distributed_step_backend(graph_module, example_inputs):
     from torch._dynamo.backends.registry import lookup_backend
 
     clone_aliased_dtensor_outputs(graph_module)
-    with aot_autograd_cache_keyed_by_process_groups():
+    with (
+        aot_autograd_cache_keyed_by_process_groups(),
+        device_meshes_pickled_without_hash(),
+    ):
         compiled = lookup_backend("inductor")(graph_module, example_inputs)
 
     def run_compiled(*args):
@@ -500,6 +509,43 @@ def aot_autograd_cache_keyed_by_process_groups():
     keyed = ProcessGroupCacheKey(configured)
     with inductor_config.patch(post_grad_custom_post_pass=keyed):
         yield
+
+
+@contextlib.contextmanager
+def device_meshes_pickled_without_hash():
+    """Inside, a `DeviceMesh` pickles without the `hash()` it caches.
+
+    Inductor's and AOT autograd's cache keys pickle the meshes a graph
+    takes as inputs, and a mesh pickles its `__dict__`, where it caches its
+    `hash()` once hashed. That hash differs from one process to the next
+    (it hashes strings, randomized per process, and a layout object), so
+    such a graph had a new key in every run and a second run compiled it
+    again (`scripts/torch_cache_device_mesh_hash.py`). Everything the hash
+    is computed from is still pickled; unpickling computes it again.
+    """
+    previous = copyreg.dispatch_table.get(DeviceMesh)
+    copyreg.pickle(DeviceMesh, _reduce_mesh_without_hash)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del copyreg.dispatch_table[DeviceMesh]
+        else:
+            copyreg.dispatch_table[DeviceMesh] = previous
+
+
+def _reduce_mesh_without_hash(mesh):
+    """The pickle reduction of `mesh`: its state without `_hash`."""
+    state = mesh.__getstate__()
+    state.pop("_hash", None)
+    return _mesh_from_state, (type(mesh), state)
+
+
+def _mesh_from_state(mesh_class, state):
+    """A mesh of `mesh_class` with `state`, as unpickling makes it."""
+    mesh = mesh_class.__new__(mesh_class)
+    mesh.__setstate__(state)
+    return mesh
 
 
 class ProcessGroupCacheKey(CustomGraphPass):

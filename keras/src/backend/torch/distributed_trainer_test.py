@@ -7,8 +7,11 @@ aliased outputs fail) runs as with inductor. Multi-process runs with
 inductor are in `integration_tests/jit_compile_test.py`.
 """
 
+import copy
+import copyreg
 import hashlib
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -16,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.backends import registry
 from torch._inductor import config as inductor_config
+from torch._inductor.codecache import FxGraphCachePickler
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
@@ -40,7 +45,8 @@ def distribution():
 @pytest.fixture
 def inductor_calls(monkeypatch):
     """Replaces inductor by `aot_eager`; records the AOT autograd cache
-    setting and the post-grad custom pass of each call."""
+    setting, the post-grad custom pass and the pickle reduction of
+    `DeviceMesh` of each call."""
     calls = []
     upstream_lookup = registry.lookup_backend
 
@@ -49,6 +55,7 @@ def inductor_calls(monkeypatch):
             (
                 torch._functorch.config.enable_autograd_cache,
                 inductor_config.post_grad_custom_post_pass,
+                copyreg.dispatch_table.get(DeviceMesh),
             )
         )
         return upstream_lookup("aot_eager")(graph_module, example_inputs)
@@ -336,8 +343,10 @@ def test_backend_keys_the_autograd_cache_by_process_groups(
 
     compiled = distributed_trainer.compile_step_function(f)
     y, y_t = compiled(x)
-    ((cache_enabled, keyed),) = inductor_calls
+    ((cache_enabled, keyed, mesh_reduction),) = inductor_calls
     assert cache_enabled is True
+    assert mesh_reduction is distributed_trainer._reduce_mesh_without_hash
+    assert DeviceMesh not in copyreg.dispatch_table
     assert isinstance(keyed, distributed_trainer.ProcessGroupCacheKey)
     assert keyed.uuid() == (
         None,
@@ -358,6 +367,33 @@ def test_process_group_cache_key_names_every_group(distribution):
     new_group = dist.new_group([0])
     after = dict(distributed_trainer.process_group_cache_key()[1])
     assert after == {**names, new_group.group_name: (0,)}
+
+
+def test_cache_keys_of_a_mesh_do_not_depend_on_its_cached_hash(
+    distribution,
+):
+    mesh = distribution.device_mesh.backend_mesh
+    hash(mesh)
+    twin = copy.copy(mesh)
+    twin._hash = mesh._hash + 1
+    graph_module = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+
+    def cache_key(value):
+        return FxGraphCachePickler(graph_module).get_hash(value)
+
+    # torch's own reduction pickles the cached hash, which changes from
+    # one process to the next.
+    assert cache_key(mesh) != cache_key(twin)
+    renamed = copy.copy(mesh)
+    renamed._mesh_dim_names = ("other",)
+    with distributed_trainer.device_meshes_pickled_without_hash():
+        assert cache_key(mesh) == cache_key(twin)
+        # What the hash is computed from is still in the key.
+        assert cache_key(mesh) != cache_key(renamed)
+        restored = pickle.loads(pickle.dumps(mesh))
+    assert DeviceMesh not in copyreg.dispatch_table
+    assert restored == mesh and hash(restored) == hash(mesh)
+    assert restored.get_group(0) is mesh.get_group(0)
 
 
 class RecordingPass(CustomGraphPass):
