@@ -465,7 +465,9 @@ def distributed_step_backend(graph_module, example_inputs):
 
     Inductor (upstream's default) with its AOT autograd cache keyed by
     `aot_autograd_cache_keyed_by_process_groups` and its cache keys made
-    the same in every run by `device_meshes_pickled_without_hash`, after
+    the same in every run by `device_meshes_pickled_without_hash` (and,
+    for backward graphs compiled later, by
+    `compile_with_meshes_pickled_without_hash`), after
     `clone_aliased_dtensor_outputs`, with the outputs of each call tied by
     `tie_differentiable_dtensor_outputs`.
 
@@ -483,7 +485,11 @@ def distributed_step_backend(graph_module, example_inputs):
         aot_autograd_cache_keyed_by_process_groups(),
         device_meshes_pickled_without_hash(),
     ):
-        compiled = lookup_backend("inductor")(graph_module, example_inputs)
+        compiled = lookup_backend("inductor")(
+            graph_module,
+            example_inputs,
+            inner_compile=compile_with_meshes_pickled_without_hash,
+        )
 
     def run_compiled(*args):
         return tie_differentiable_dtensor_outputs(compiled(*args))
@@ -532,6 +538,19 @@ def device_meshes_pickled_without_hash():
             del copyreg.dispatch_table[DeviceMesh]
         else:
             copyreg.dispatch_table[DeviceMesh] = previous
+
+
+def compile_with_meshes_pickled_without_hash(*args, **kwargs):
+    """Inductor's `compile_fx_inner`, in `device_meshes_pickled_without_hash`.
+
+    AOT autograd compiles a graph's backward when backward first runs,
+    after the backend has returned; inductor keys its cache entry of that
+    graph in here.
+    """
+    from torch._inductor import compile_fx
+
+    with device_meshes_pickled_without_hash():
+        return compile_fx.compile_fx_inner(*args, **kwargs)
 
 
 def _reduce_mesh_without_hash(mesh):

@@ -50,12 +50,13 @@ def inductor_calls(monkeypatch):
     calls = []
     upstream_lookup = registry.lookup_backend
 
-    def aot_eager(graph_module, example_inputs):
+    def aot_eager(graph_module, example_inputs, inner_compile=None):
         calls.append(
             (
                 torch._functorch.config.enable_autograd_cache,
                 inductor_config.post_grad_custom_post_pass,
                 copyreg.dispatch_table.get(DeviceMesh),
+                inner_compile,
             )
         )
         return upstream_lookup("aot_eager")(graph_module, example_inputs)
@@ -343,9 +344,13 @@ def test_backend_keys_the_autograd_cache_by_process_groups(
 
     compiled = distributed_trainer.compile_step_function(f)
     y, y_t = compiled(x)
-    ((cache_enabled, keyed, mesh_reduction),) = inductor_calls
+    ((cache_enabled, keyed, mesh_reduction, inner_compile),) = inductor_calls
     assert cache_enabled is True
     assert mesh_reduction is distributed_trainer._reduce_mesh_without_hash
+    assert (
+        inner_compile
+        is distributed_trainer.compile_with_meshes_pickled_without_hash
+    )
     assert DeviceMesh not in copyreg.dispatch_table
     assert isinstance(keyed, distributed_trainer.ProcessGroupCacheKey)
     assert keyed.uuid() == (
@@ -394,6 +399,23 @@ def test_cache_keys_of_a_mesh_do_not_depend_on_its_cached_hash(
     assert DeviceMesh not in copyreg.dispatch_table
     assert restored == mesh and hash(restored) == hash(mesh)
     assert restored.get_group(0) is mesh.get_group(0)
+
+
+def test_inner_compile_pickles_meshes_without_their_hash(monkeypatch):
+    from torch._inductor import compile_fx
+
+    def recording_compile(*args, **kwargs):
+        return args, kwargs, copyreg.dispatch_table.get(DeviceMesh)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording_compile)
+    args, kwargs, reduction = (
+        distributed_trainer.compile_with_meshes_pickled_without_hash(
+            "graph", ["inputs"], cudagraphs=None
+        )
+    )
+    assert (args, kwargs) == (("graph", ["inputs"]), {"cudagraphs": None})
+    assert reduction is distributed_trainer._reduce_mesh_without_hash
+    assert DeviceMesh not in copyreg.dispatch_table
 
 
 class RecordingPass(CustomGraphPass):
