@@ -37,16 +37,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
 
 
-def mesh_from_state(mesh_class, state):
-    mesh = mesh_class.__new__(mesh_class)
-    mesh.__setstate__(state)
-    return mesh
-
-
 def reduce_mesh_without_hash(mesh):
     state = mesh.__getstate__()
     state.pop("_hash", None)
-    return mesh_from_state, (type(mesh), state)
+    return copyreg.__newobj__, (type(mesh),), state
 
 
 def main(fix):

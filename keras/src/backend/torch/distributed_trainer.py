@@ -554,17 +554,14 @@ def compile_with_meshes_pickled_without_hash(*args, **kwargs):
 
 
 def _reduce_mesh_without_hash(mesh):
-    """The pickle reduction of `mesh`: its state without `_hash`."""
+    """The pickle reduction of `mesh`: torch's, but for `_hash`.
+
+    As by default, unpickling makes the mesh, then sets its state
+    (`DeviceMesh.__setstate__`): it needs nothing from this module.
+    """
     state = mesh.__getstate__()
     state.pop("_hash", None)
-    return _mesh_from_state, (type(mesh), state)
-
-
-def _mesh_from_state(mesh_class, state):
-    """A mesh of `mesh_class` with `state`, as unpickling makes it."""
-    mesh = mesh_class.__new__(mesh_class)
-    mesh.__setstate__(state)
-    return mesh
+    return copyreg.__newobj__, (type(mesh),), state
 
 
 class ProcessGroupCacheKey(CustomGraphPass):

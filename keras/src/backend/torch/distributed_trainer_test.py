@@ -391,14 +391,21 @@ def test_cache_keys_of_a_mesh_do_not_depend_on_its_cached_hash(
     assert cache_key(mesh) != cache_key(twin)
     renamed = copy.copy(mesh)
     renamed._mesh_dim_names = ("other",)
+    # A root mesh and a flattened mesh refer to each other.
+    root, flattened = copy.copy(mesh), copy.copy(mesh)
+    root._flatten_mapping = {"flat": flattened}
+    flattened._root_mesh = root
     with distributed_trainer.device_meshes_pickled_without_hash():
         assert cache_key(mesh) == cache_key(twin)
         # What the hash is computed from is still in the key.
         assert cache_key(mesh) != cache_key(renamed)
         restored = pickle.loads(pickle.dumps(mesh))
+        restored_root = pickle.loads(pickle.dumps(root))
     assert DeviceMesh not in copyreg.dispatch_table
     assert restored == mesh and hash(restored) == hash(mesh)
     assert restored.get_group(0) is mesh.get_group(0)
+    restored_flattened = restored_root._flatten_mapping["flat"]
+    assert restored_flattened._root_mesh is restored_root
 
 
 def test_inner_compile_pickles_meshes_without_their_hash(monkeypatch):
