@@ -67,6 +67,8 @@ made here avoid while DTensor still does all the math:
 
 Shapes are static (`dynamic=False`): with automatic dynamic shapes,
 tracing the transformer's graphs under DTensor ended in a RecursionError.
+A compiled train step of Keras's own clears the gradients after each run
+(`compiled_step_on_data`), so that its second step is not compiled again.
 
 Collectives: the steps issue those of `distribution_lib.distribute_data`
 and of the step itself, on the thread that runs the step; building a step
@@ -176,7 +178,7 @@ def distribute_step_function(trainer, kind):
         return step_function
     if compile_step:
         step_function = DistributedStepFunction(
-            compile_step_function(step_on_data(trainer, kind)),
+            compiled_step_on_data(trainer, kind),
             compiled_for_distribution=True,
         )
     elif step_function is not None:
@@ -218,6 +220,39 @@ def step_on_data(trainer, kind, eager=False):
             return step(data[0])
 
     return one_step_on_data
+
+
+def compiled_step_on_data(trainer, kind):
+    """`step_on_data(trainer, kind)` compiled by `compile_step_function`.
+
+    Keras's train step clears the gradients (`zero_grad()`) before it
+    computes new ones, and Dynamo guards the compiled step on what that
+    found: no gradients at the first step, the last step's at the next,
+    so the whole step was compiled a second time at the second step. After
+    each compiled run of Keras's own train step (not of a model's own
+    `train_step`, which may keep gradients from step to step), the
+    gradients are cleared outside the compiled code instead, and the first
+    compile's guard holds at every step. Cleared gradients are what the
+    next step's `zero_grad()` would leave, and the optimizer has applied
+    them already.
+
+    Args:
+        trainer: the `TorchTrainer`.
+        kind: one of `STEP_KINDS`.
+
+    Returns:
+        A function of the batch.
+    """
+    compiled = compile_step_function(step_on_data(trainer, kind))
+    if kind != "train" or _overrides_train_step(trainer):
+        return compiled
+
+    def step_then_clear_gradients(data):
+        logs = compiled(data)
+        outside_step_mode(trainer.zero_grad)
+        return logs
+
+    return step_then_clear_gradients
 
 
 def eager_step_on_data(trainer, kind):

@@ -155,6 +155,41 @@ def test_jit_steps_under_distribution_are_compiled_once(distribution):
     assert is_compiled_for_distribution(model.train_function)
 
 
+def test_compiled_train_step_compiles_once(distribution, inductor_calls):
+    model = make_model(jit_compile=True)
+    x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
+    y = np.arange(8) % 3
+    model.train_on_batch(x, y)
+    compiles = len(inductor_calls)
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    # Without clearing the gradients after each step, the second step was
+    # compiled again when it met the first step's gradients.
+    assert len(inductor_calls) == compiles
+    assert all(v.value.grad is None for v in model.trainable_variables)
+    eager = make_model(jit_compile=False)
+    for _ in range(3):
+        eager.train_on_batch(x, y)
+    for weight, eager_weight in zip(model.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(weight, eager_weight, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_own_train_step_keeps_its_gradients(
+    distribution, inductor_calls
+):
+    def own_train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self.zero_grad()
+        loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        torch.compiler.disable(torch.Tensor.backward)(loss)
+        return {"loss": loss}
+
+    model = make_model(jit_compile=True, train_step=own_train_step)
+    x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
+    model.train_on_batch(x, np.arange(8) % 3)
+    assert all(v.value.grad is not None for v in model.trainable_variables)
+
+
 def test_step_built_without_the_distribution_is_compiled_under_it():
     distribution = keras.distribution.DataParallel(devices=["cpu:0"])
     with distribution.scope():
