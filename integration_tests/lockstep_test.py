@@ -42,8 +42,13 @@ SLACK_SECONDS = 15
 
 
 def launch_failing(scenario, tmp_path):
-    """Runs `scenario`, expecting failure; returns (failure text, seconds
-    from the first rank's start of the faulty part to the launch's end)."""
+    """Runs `scenario`, expecting failure; returns (the failure's message
+    and the launch's whole output, seconds from the first rank's start of
+    the faulty part to the launch's end).
+
+    The whole output too, not only the message's last lines: torchrun
+    names the first failure it observed last, so the other rank's failure
+    may be further up."""
     result_dir = os.path.join(str(tmp_path), "results_lockstep_worker.py_2")
     with pytest.raises(harness.WorkerFailure) as failure:
         harness.launch(
@@ -59,7 +64,8 @@ def launch_failing(scenario, tmp_path):
     for rank in range(2):
         with open(os.path.join(result_dir, f"rank{rank}.start")) as f:
             starts.append(float(f.read()))
-    return str(failure.value), end - min(starts)
+    text = f"{failure.value}\n{failure.value.output}"
+    return text, end - min(starts)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
     every global batch, to `fit`, `evaluate`, `predict` and a direct call;
     without a distribution the data is passed whole), `reversed` (`fit`
     sees the rows of every batch in reverse order: the same training in
-    exact arithmetic, summed in another order).
+    exact arithmetic, summed in another order), `rolled` (the two halves
+    of every batch's rows swapped: a third order).
 """
 
 import os
@@ -169,10 +170,23 @@ def reverse_within_batches(array):
     )
 
 
+def roll_within_batches(array):
+    """`array` with the two halves of every batch of `BATCH_SIZE` rows
+    swapped."""
+    return np.concatenate(
+        [
+            np.roll(array[start : start + BATCH_SIZE], BATCH_SIZE // 2, axis=0)
+            for start in range(0, len(array), BATCH_SIZE)
+        ]
+    )
+
+
 def make_inputs(run, x, y):
     """Returns `fit` keyword arguments in the requested input form."""
     if "reversed" in run.extra:
         x, y = reverse_within_batches(x), reverse_within_batches(y)
+    if "rolled" in run.extra:
+        x, y = roll_within_batches(x), roll_within_batches(y)
     if "dict" in run.extra:
         name = "features" if run.model == "mlp" else "tokens"
         return {"x": {name: x}, "y": y, "batch_size": BATCH_SIZE}
