@@ -28,8 +28,10 @@ also each variable's placements and local shape, and the final weights of
 both models.
 """
 
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import numpy as np
 import worker_utils
@@ -121,6 +123,10 @@ def set_fully_sharded_distribution(mode):
 
 # The `CollectiveCounter` of the counted step, while it runs.
 _COUNTING = []
+# What the counted step did, in order: "gradients reduced" (the gradient
+# buckets' end of backward) and "all-reduce read" (the first read of the
+# result of a functional all-reduce, the loss's under `dp`).
+_EVENTS = []
 # The counts when the loss was computed, i.e. after forward.
 _FORWARD_COUNTS = {}
 
@@ -159,7 +165,7 @@ def train(mode, optimizer_name, distributed=True):
     x = rng.normal(size=(3, BATCH, FEATURES)).astype("float32")
     y = rng.normal(size=(3, BATCH, 4)).astype("float32")
     losses = [float(model.train_on_batch(x[i], y[i])) for i in range(2)]
-    with CollectiveCounter() as comm:
+    with CollectiveCounter() as comm, step_events():
         _COUNTING.append(comm)
         try:
             losses.append(float(model.train_on_batch(x[2], y[2])))
@@ -172,17 +178,51 @@ def train(mode, optimizer_name, distributed=True):
 CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 
 
+@contextlib.contextmanager
+def step_events():
+    """Records `_EVENTS` (cleared first) while the block runs."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from keras.src.backend.torch import gradient_buckets
+
+    def noting(event, function):
+        def noted(*args, **kwargs):
+            if not _EVENTS or _EVENTS[-1] != event:
+                _EVENTS.append(event)
+            return function(*args, **kwargs)
+
+        return noted
+
+    _EVENTS.clear()
+    finish = gradient_buckets._finish_backward
+    read = AsyncCollectiveTensor.trigger_wait
+    with (
+        mock.patch.object(
+            gradient_buckets,
+            "_finish_backward",
+            noting("gradients reduced", finish),
+        ),
+        mock.patch.object(
+            AsyncCollectiveTensor,
+            "trigger_wait",
+            noting("all-reduce read", read),
+        ),
+    ):
+        yield
+
+
 def reductions():
     """Local loss reductions against upstream's on DTensors, per case.
 
     Per case (reduction, with or without sample weights) and path (local,
     or upstream's on DTensors): the bits of the value and of the
     per-sample values' gradient, the value's placements, the collectives,
-    and whether the values' local tensor was read (the local path). A
-    masked reduction is also reported (it keeps upstream's path).
+    and whether the values' local tensor was read (the local path). Also
+    whether the value's all-reduce was still unread when the reduction
+    returned and after backward, which starts from `gradient_seed` (None,
+    for a value that needs no wait: `backward()`'s own seed). A masked
+    reduction is also reported (it keeps upstream's path).
     """
-    from unittest import mock
-
     import torch
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
@@ -227,7 +267,10 @@ def reductions():
                     mask=mask,
                     reduction=reduction,
                 )
-            value.backward()
+            pending = _unread(value)
+            seed = batch_reductions.gradient_seed(value)
+            value.backward(seed)
+        pending_after_backward = _unread(value)
         counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
         return {
             "value": value.full_tensor().detach().numpy().tobytes().hex(),
@@ -236,6 +279,9 @@ def reductions():
             "counts": counts,
             # The local path reads the values' local tensor.
             "local": any(c.args[0] is per_sample for c in read.call_args_list),
+            "pending": pending,
+            "pending_after_backward": pending_after_backward,
+            "seed": None if seed is None else _described_seed(seed, value),
         }
 
     for reduction in ("sum_over_batch_size", "sum"):
@@ -244,6 +290,28 @@ def reductions():
             record(f"{case}/local", reduce(reduction, weighted))
             record(f"{case}/dtensor", reduce(reduction, weighted, local=False))
     record("reduce/masked", reduce("sum_over_batch_size", masked=True))
+
+
+def _unread(value):
+    """Whether `value`'s local tensor is an all-reduce not yet waited for."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    local = value._local_tensor
+    return type(local) is AsyncCollectiveTensor and not local.completed
+
+
+def _described_seed(seed, value):
+    """A gradient seed's local values and whether it is laid out as
+    `value` (placements, mesh, global shape, dtype)."""
+    return {
+        "local": seed.to_local().tolist(),
+        "as_value": (
+            seed.placements == value.placements
+            and seed.device_mesh == value.device_mesh
+            and seed.shape == value.shape
+            and seed.dtype == value.dtype
+        ),
+    }
 
 
 def batch_rows():
@@ -309,6 +377,7 @@ def run(spec):
     record(f"{spec}/forward_counts", dict(_FORWARD_COUNTS))
     record(f"{spec}/trainable", len(model.trainable_variables))
     record(f"{spec}/losses", losses)
+    record(f"{spec}/events", list(_EVENTS))
     if mode.startswith("fsdp"):
         record(f"{spec}/layouts", variable_layouts(model))
         record(f"{spec}/weights", weights(model))

@@ -32,9 +32,19 @@ axes (one per batch axis of more than one process; none on one process),
 where the DTensor reduction issues its own; a sum issues none, as the
 DTensor reduction. Every process takes the same
 path, decided from global shapes and placements.
+
+The mean's all-reduce is not waited for where it is issued: the first
+operator that reads the value waits. Keras's train step under a
+distribution reads the loss only after `backward()`, which starts from
+`gradient_seed` (ones laid out as the loss, made without reading it), so
+the all-reduce runs while backward does, as DDP's step reduces its loss
+after backward, instead of holding every process at the loss until all
+have reached it.
 """
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import all_reduce
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
@@ -181,15 +191,36 @@ class _SumOverBatch(torch.autograd.Function):
 
 
 def _all_reduce_sum(tensor, mesh, mesh_dim):
-    """The sum of `tensor` over one mesh axis, as a plain tensor.
+    """The sum of `tensor` over one mesh axis, not waited for.
 
-    The functional all-reduce that DTensor issues, waited for at once: the
-    step reads the sum next (the loss tracker), so waiting later would
-    overlap nothing, and the sum stays a plain tensor rather than the
-    asynchronous wrapper whose every later operator runs in Python.
+    The functional all-reduce that DTensor issues, as the
+    `AsyncCollectiveTensor` of torch's functional collectives: the first
+    operator that reads the sum waits for it.
     """
-    functional = torch.ops._c10d_functional
-    group_name = mesh.get_group(mesh_dim).group_name
-    return functional.wait_tensor(
-        functional.all_reduce(tensor, "sum", group_name)
+    return all_reduce(tensor, "sum", mesh.get_group(mesh_dim))
+
+
+def gradient_seed(loss):
+    """The gradient `loss.backward()` starts from, made without reading
+    `loss`; None for a loss that is not an all-reduce's result or that an
+    operator has read already.
+
+    For a loss whose all-reduce (`_all_reduce_sum`) has not been waited
+    for: ones of its local shape and dtype, laid out as the loss, the
+    values `backward()` would seed it with, so that backward runs beside
+    the all-reduce. Shapes and layouts are known without the values;
+    backward through the reduction does not read the sum either. Must run
+    with the step's torch function mode suspended (the ones stay plain).
+
+    Args:
+        loss: the loss `backward()` will run from.
+    """
+    if type(loss) is not DTensor:
+        return None
+    local = loss._local_tensor
+    if type(local) is not AsyncCollectiveTensor or local.completed:
+        return None
+    ones = torch.ones(local.shape, dtype=local.dtype, device=local.device)
+    return dtensor_layouts.dtensor_from_spec(
+        ones, dtensor_layouts.copy_spec(loss._spec)
     )

@@ -10,13 +10,16 @@ from unittest import mock
 
 import numpy as np
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
 from keras.src import testing
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import dtensor_layouts
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.losses import loss as loss_module
 
@@ -102,3 +105,35 @@ class OneProcessBatchAxisTest(testing.TestCase):
         with created_tensors.replicate_created_tensors(self.mesh):
             plan = batch_reductions._local_plan(values, None, None, "mean")
         self.assertEqual(plan, (1, (0,), ()))
+
+    def test_gradient_seed_of_an_unread_loss_is_ones_laid_out_as_it(self):
+        replicated = distribute_tensor(
+            torch.tensor(0.0), self.mesh.backend_mesh, [Replicate()]
+        )
+        unread = AsyncCollectiveTensor(torch.tensor(2.5))
+        loss = dtensor_layouts.dtensor_from_spec(
+            unread, dtensor_layouts.copy_spec(replicated._spec)
+        )
+        seed = batch_reductions.gradient_seed(loss)
+        self.assertFalse(unread.completed)
+        self.assertIs(type(seed), DTensor)
+        self.assertIs(type(seed._local_tensor), torch.Tensor)
+        self.assertEqual(seed.placements, loss.placements)
+        self.assertEqual(seed.device_mesh, loss.device_mesh)
+        self.assertEqual((seed.shape, seed.dtype), (loss.shape, loss.dtype))
+        self.assertEqual(seed.to_local().item(), 1.0)
+        # Once an operator has read it, the loss seeds its own backward.
+        self.assertEqual(float((loss * 2).to_local()), 5.0)
+        self.assertTrue(unread.completed)
+        self.assertIsNone(batch_reductions.gradient_seed(loss))
+
+    def test_gradient_seed_of_a_loss_read_without_waiting_is_none(self):
+        self.assertIsNone(batch_reductions.gradient_seed(torch.tensor(1.0)))
+        values = self.split(self.values, requires_grad=True)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            # One process: the batch axis needs no all-reduce.
+            value = loss_module.reduce_weighted_values(
+                values, reduction="sum_over_batch_size"
+            )
+        self.assertIs(type(value._local_tensor), torch.Tensor)
+        self.assertIsNone(batch_reductions.gradient_seed(value))
