@@ -44,7 +44,6 @@ have reached it.
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed._functional_collectives import all_reduce
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
@@ -104,10 +103,10 @@ def reduce_on_local_tensors(
         for mesh_dim in batch_dims:
             placements[mesh_dim] = Partial("sum")
         return DTensor.from_local(local, mesh, placements, run_check=False)
-    if shards > 1:
-        with created_tensors.suspended():
+    with created_tensors.suspended():
+        if shards > 1:
             local = local / shards
-    return _SumOverBatch.apply(local, mesh, reduced_dims)
+        return _SumOverBatch.apply(local, mesh, reduced_dims)
 
 
 def _local_plan(values, sample_weight, mask, reduction):
@@ -193,11 +192,17 @@ class _SumOverBatch(torch.autograd.Function):
 def _all_reduce_sum(tensor, mesh, mesh_dim):
     """The sum of `tensor` over one mesh axis, not waited for.
 
-    The functional all-reduce that DTensor issues, as the
-    `AsyncCollectiveTensor` of torch's functional collectives: the first
-    operator that reads the sum waits for it.
+    The functional all-reduce that DTensor issues, in the
+    `AsyncCollectiveTensor` torch's functional collectives wrap it in: the
+    first operator that reads the sum waits for it. Made directly rather
+    than by `funcol.all_reduce`, whose wrapping is a custom operator for
+    autograd's sake: the caller is an autograd function's forward.
     """
-    return all_reduce(tensor, "sum", mesh.get_group(mesh_dim))
+    functional = torch.ops._c10d_functional
+    group_name = mesh.get_group(mesh_dim).group_name
+    return AsyncCollectiveTensor(
+        functional.all_reduce(tensor, "sum", group_name)
+    )
 
 
 def gradient_seed(loss):
