@@ -137,3 +137,22 @@ class OneProcessBatchAxisTest(testing.TestCase):
             )
         self.assertIs(type(value._local_tensor), torch.Tensor)
         self.assertIsNone(batch_reductions.gradient_seed(value))
+
+    def test_waited_local_tensor_of_an_unread_loss_is_plain(self):
+        replicated = distribute_tensor(
+            torch.tensor(0.0), self.mesh.backend_mesh, [Replicate()]
+        )
+        unread = AsyncCollectiveTensor(torch.tensor(2.5))
+        loss = dtensor_layouts.dtensor_from_spec(
+            unread, dtensor_layouts.copy_spec(replicated._spec)
+        )
+        local = dtensor_layouts.waited_local_tensor(loss)
+        self.assertIs(type(local), torch.Tensor)
+        self.assertEqual(local.item(), 2.5)
+        self.assertTrue(unread.completed)
+        # Read again, and for a plain local tensor: the local tensor.
+        self.assertIs(dtensor_layouts.waited_local_tensor(loss), unread.elem)
+        self.assertIs(
+            dtensor_layouts.waited_local_tensor(replicated),
+            replicated._local_tensor,
+        )

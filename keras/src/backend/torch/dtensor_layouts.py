@@ -11,6 +11,7 @@ redistributes a DTensor (a collective every process must run).
 import collections
 import math
 
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
@@ -148,6 +149,21 @@ def dtensor_from_spec(local, spec):
         spec: a `DTensorSpec` for it, not shared with another DTensor.
     """
     return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
+def waited_local_tensor(value):
+    """A DTensor's local tensor, as a plain tensor.
+
+    A local tensor that is the result of a functional collective (an
+    `AsyncCollectiveTensor`, as the loss's all-reduce in
+    `batch_reductions`) is waited for here, once, and its plain result
+    returned: operators reading it then run without the wrapper's Python
+    dispatch, each of which would check it again.
+    """
+    local = value._local_tensor
+    if type(local) is AsyncCollectiveTensor:
+        return local.trigger_wait()
+    return local
 
 
 def copy_spec(spec):

@@ -41,6 +41,7 @@ from torch.distributed.tensor import Replicate
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import dtensor_layouts
 
 
 def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
@@ -117,7 +118,9 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     if held is None:
         return upstream_update(metric, values, sample_weight=sample_weight)
     values, sample_weight = (
-        x._local_tensor if isinstance(x, torch.Tensor) else x
+        dtensor_layouts.waited_local_tensor(x)
+        if isinstance(x, torch.Tensor)
+        else x
         for x in (values, sample_weight)
     )
     update = functools.partial(upstream_update, sample_weight=sample_weight)
