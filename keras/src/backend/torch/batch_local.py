@@ -866,14 +866,21 @@ class _LocalVariables(StatelessScope):
         if view is None and self.views is not None:
             view = self._kept_view(variable)
         if view is None:
-            spec = self._gradient_spec(variable)
             value = variable._value
             # Only a layer with units reads sharded variables (its watched
             # call proved it); replicated reads skip the check.
             if self.units and _is_sharded(value, self.gradient_placements):
                 # Not kept: freed as soon as forward is done with it.
-                return self._gathered_view(variable, value, spec)
-            view = self._new_view(value, spec)
+                return self._gathered_view(
+                    variable, value, self._gradient_spec(variable)
+                )
+            if value.requires_grad:
+                view = self._new_view(value, self._gradient_spec(variable))
+            else:
+                # No gradient to send back (a non-trainable variable): the
+                # local tensor as `_LocalView` gives it, without the
+                # autograd function.
+                view = value._local_tensor.detach()
             self.state_mapping[id(variable)] = view
             if self.views is not None and view.requires_grad:
                 self.views[id(variable)] = (

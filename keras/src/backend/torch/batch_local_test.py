@@ -270,6 +270,34 @@ class BatchLocalTest(testing.TestCase):
         self.call_in_step(dense, x)
         return dense, x
 
+    def test_non_trainable_variables_are_read_without_an_autograd_node(self):
+        class Scaled(layers.Layer):
+            def build(self, input_shape):
+                self.scale = self.add_weight(
+                    shape=(input_shape[-1],),
+                    initializer="ones",
+                    trainable=False,
+                )
+
+            def call(self, x):
+                return x * (self.scale * 3.0)
+
+        layer = Scaled()
+        layer.build((None, 5))
+        x = self.batch((4, 5))
+        watched = self.call_in_step(layer, x)
+        self.assertIsNotNone(self.verdicts(layer)[0])
+        with mock.patch.object(
+            batch_local._LocalView, "apply", wraps=batch_local._LocalView.apply
+        ) as view:
+            local = self.call_in_step(layer, x)
+        self.assertEqual(view.call_count, 0)
+        self.assertFalse(local.requires_grad)
+        self.assertAllClose(
+            local.to_local().numpy(), watched.to_local().numpy()
+        )
+        self.assertAllClose(local.to_local().numpy(), 3.0 * x.to_local())
+
     def test_views_are_kept_from_call_to_call(self):
         dense, x = self.watched_dense()
         (verdict,) = self.verdicts(dense)
