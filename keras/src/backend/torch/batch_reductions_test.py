@@ -106,14 +106,20 @@ class OneProcessBatchAxisTest(testing.TestCase):
             plan = batch_reductions._local_plan(values, None, None, "mean")
         self.assertEqual(plan, (1, (0,), ()))
 
-    def test_gradient_seed_of_an_unread_loss_is_ones_laid_out_as_it(self):
+    def unread_loss(self, value):
+        """A replicated scalar DTensor whose local tensor is an
+        `AsyncCollectiveTensor` not yet waited for, and that tensor."""
         replicated = distribute_tensor(
             torch.tensor(0.0), self.mesh.backend_mesh, [Replicate()]
         )
-        unread = AsyncCollectiveTensor(torch.tensor(2.5))
+        unread = AsyncCollectiveTensor(torch.tensor(value))
         loss = dtensor_layouts.dtensor_from_spec(
             unread, dtensor_layouts.copy_spec(replicated._spec)
         )
+        return loss, unread
+
+    def test_gradient_seed_of_an_unread_loss_is_ones_laid_out_as_it(self):
+        loss, unread = self.unread_loss(2.5)
         seed = batch_reductions.gradient_seed(loss)
         self.assertFalse(unread.completed)
         self.assertIs(type(seed), DTensor)
@@ -139,19 +145,16 @@ class OneProcessBatchAxisTest(testing.TestCase):
         self.assertIsNone(batch_reductions.gradient_seed(value))
 
     def test_waited_local_tensor_of_an_unread_loss_is_plain(self):
-        replicated = distribute_tensor(
-            torch.tensor(0.0), self.mesh.backend_mesh, [Replicate()]
-        )
-        unread = AsyncCollectiveTensor(torch.tensor(2.5))
-        loss = dtensor_layouts.dtensor_from_spec(
-            unread, dtensor_layouts.copy_spec(replicated._spec)
-        )
+        loss, unread = self.unread_loss(2.5)
         local = dtensor_layouts.waited_local_tensor(loss)
         self.assertIs(type(local), torch.Tensor)
         self.assertEqual(local.item(), 2.5)
         self.assertTrue(unread.completed)
         # Read again, and for a plain local tensor: the local tensor.
         self.assertIs(dtensor_layouts.waited_local_tensor(loss), unread.elem)
+        replicated = distribute_tensor(
+            torch.tensor(0.0), self.mesh.backend_mesh, [Replicate()]
+        )
         self.assertIs(
             dtensor_layouts.waited_local_tensor(replicated),
             replicated._local_tensor,
