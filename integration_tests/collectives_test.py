@@ -76,6 +76,7 @@ RUNS = [
     "fsdpflat:adamw",
     "reduce",
     "rows",
+    "wholeloss",
 ]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
@@ -191,6 +192,35 @@ def test_data_parallel_step_reads_its_loss_after_backward(reports, optimizer):
         ]
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sum_over_batch_size:0",
+        "sum_over_batch_size:1",
+        "sum:0",
+        "sum:1",
+    ],
+)
+def test_built_in_loss_runs_whole_on_local_tensors(reports, case):
+    """A built-in loss's first call is watched on DTensors, its second
+    computes the per-sample values in a local call and reduces them
+    locally, and from the third on the whole loss runs on the local
+    tensors of its arguments (`batch_reductions.call_loss`): neither
+    `call_layer` nor the reduction's edit is reached. Every call gives the
+    value, gradient, placements and collectives of the loss computed on
+    DTensors, bit for bit."""
+    mean = case.startswith("sum_over_batch_size")
+    for report in reports:
+        calls = report[f"wholeloss/{case}/calls"]
+        reference = report[f"wholeloss/{case}/dtensor"]
+        assert [c["per_sample_call"] for c in calls] == [True, True, False]
+        assert [c["reduce_edit"] for c in calls] == [True, True, False]
+        for call in calls:
+            for key in ("value", "grad", "placements", "counts"):
+                assert call[key] == reference[key], key
+        assert reference["counts"] == ({DTENSOR_ALL_REDUCE: 1} if mean else {})
+
+
 def test_masked_loss_reduction_keeps_dtensors(reports):
     for report in reports:
         assert not report["reduce/masked"]["local"]
@@ -208,7 +238,7 @@ def test_batch_rows_equal_distribute_tensor(reports, case):
 
 
 @pytest.mark.parametrize(
-    "run", [r for r in RUNS if r not in ("reduce", "rows")]
+    "run", [r for r in RUNS if r not in ("reduce", "rows", "wholeloss")]
 )
 def test_losses_equal_single_process(reports, run):
     for report in reports:

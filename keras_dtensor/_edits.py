@@ -464,6 +464,35 @@ def edit_loss_call_runs_batch_local(losses_module):
     wrapper_class.call = call
 
 
+def edit_loss_wrapper_runs_whole_on_local_tensors(losses_module):
+    """A built-in loss runs whole on local tensors once proven local.
+
+    Inside a distributed step, `LossFunctionWrapper.__call__` (upstream's
+    `Loss.__call__`) goes through `batch_reductions.call_loss`: once a
+    call with the same global shapes and placements has computed its
+    per-sample values locally and reduced them locally, the casts, the
+    values and the reduction run on the arguments' local tensors, and one
+    all-reduce adds the processes' results up. A subclass with a `call` of
+    its own, and every call elsewhere, keeps upstream's `__call__`.
+    """
+    if not _is_torch_backend():
+        return
+    from keras.src.backend.torch import batch_reductions
+
+    wrapper_class = losses_module.LossFunctionWrapper
+    upstream_call = wrapper_class.__call__
+    in_eager_step = _in_eager_distributed_step_check()
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if not in_eager_step() or type(self).call is not wrapper_class.call:
+            return upstream_call(self, y_true, y_pred, sample_weight)
+        return batch_reductions.call_loss(
+            self, upstream_call, y_true, y_pred, sample_weight
+        )
+
+    wrapper_class.__call__ = __call__
+
+
 def edit_optimizer_apply_on_local_tensors(torch_optimizer_module):
     """An optimizer step whose tensors are all replicated runs locally.
 
@@ -1123,7 +1152,10 @@ POST_IMPORT_EDITS = {
         edit_layer_call_runs_batch_local,
         edit_layer_call_distributes_inputs,
     ],
-    "keras.src.losses.losses": lambda: [edit_loss_call_runs_batch_local],
+    "keras.src.losses.losses": lambda: [
+        edit_loss_call_runs_batch_local,
+        edit_loss_wrapper_runs_whole_on_local_tensors,
+    ],
     "keras.src.losses.loss": lambda: [edit_loss_reduction_on_local_tensors],
     "keras.src.metrics.reduction_metrics": lambda: [
         edit_metric_update_on_local_tensors

@@ -292,6 +292,85 @@ def reductions():
     record("reduce/masked", reduce("sum_over_batch_size", masked=True))
 
 
+def whole_losses():
+    """A built-in loss called three times in a step, against the same loss
+    computed on DTensors, per case (reduction, with or without sample
+    weights).
+
+    Per call: the bits of the value and of the logits' gradient, the
+    value's placements, the collectives, whether the per-sample values
+    went through `batch_local.call_layer`, and whether upstream's
+    reduction went through `reduce_on_local_tensors` (the third call runs
+    the whole loss on local tensors, `batch_reductions.call_loss`, and
+    does neither). The reference is the loss with local calls and local
+    reductions off: every operator on DTensors.
+    """
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from keras.src.backend.torch import batch_local
+    from keras.src.backend.torch import batch_reductions
+    from keras.src.backend.torch import created_tensors
+
+    worker_utils.set_distribution("dp", MP_LAYOUTS)
+    mesh = keras.distribution.distribution().device_mesh
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(BATCH * 2, 5)).astype("float32")
+    labels = rng.integers(0, 5, size=(BATCH * 2,))
+    weights = rng.uniform(size=(BATCH * 2,)).astype("float32")
+
+    def split(array, requires_grad=False):
+        tensor = distribute_tensor(
+            torch.tensor(array), mesh.backend_mesh, [Shard(0)]
+        )
+        return tensor.requires_grad_(requires_grad)
+
+    def call(loss, weighted):
+        targets = split(labels)
+        predictions = split(logits, requires_grad=True)
+        weight = split(weights) if weighted else None
+        per_sample = mock.patch.object(
+            batch_local, "call_layer", wraps=batch_local.call_layer
+        )
+        reduction = mock.patch.object(
+            batch_reductions,
+            "reduce_on_local_tensors",
+            wraps=batch_reductions.reduce_on_local_tensors,
+        )
+        with CollectiveCounter() as comm, per_sample as local, reduction as r:
+            with created_tensors.replicate_created_tensors(mesh):
+                value = loss(targets, predictions, sample_weight=weight)
+            value.backward()
+        counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+        return {
+            "value": value.full_tensor().detach().numpy().tobytes().hex(),
+            "grad": predictions.grad.full_tensor().numpy().tobytes().hex(),
+            "placements": [str(p) for p in value.placements],
+            "counts": counts,
+            "per_sample_call": local.called,
+            "reduce_edit": r.called,
+        }
+
+    for reduction in ("sum_over_batch_size", "sum"):
+        for weighted in (False, True):
+            case = f"wholeloss/{reduction}:{int(weighted)}"
+
+            def make_loss():
+                return keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction=reduction
+                )
+
+            loss = make_loss()
+            record(f"{case}/calls", [call(loss, weighted) for _ in range(3)])
+            dtensors = mock.patch.object(batch_local, "ENABLED", False)
+            upstream = mock.patch.object(
+                batch_reductions, "_local_plan", return_value=None
+            )
+            with dtensors, upstream:
+                record(f"{case}/dtensor", call(make_loss(), weighted))
+
+
 def _unread(value):
     """Whether `value`'s local tensor is an all-reduce not yet waited for."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -366,6 +445,8 @@ def run(spec):
         return reductions()
     if spec == "rows":
         return batch_rows()
+    if spec == "wholeloss":
+        return whole_losses()
     mode, optimizer_name, *caps = spec.split(":")
     for name, cap in zip(CAP_ENV_VARS, caps):
         if cap:

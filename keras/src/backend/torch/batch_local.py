@@ -163,18 +163,12 @@ def call_layer(layer, upstream_call, args, kwargs):
         The layer's outputs, as DTensors wherever the call took DTensors.
     """
     mode = created_tensors.current_mode()
-    if (
-        not ENABLED
-        or mode is None
-        or torch.compiler.is_compiling()
-        or _saved_tensors_hooked()
-    ):
+    if mode is None or not local_calls_allowed():
         return upstream_call(layer, *args, **kwargs)
     try:
         leaves = []
         # A sublayer takes `training` from its caller's call context.
-        context = global_state.get_global_attribute("current_call_ctx")
-        training = None if context is None else context.get_value("training")
+        training = call_context_training()
         signature = _signature((args, kwargs, training), leaves)
         placements = _batch_placements(leaves, mode.mesh)
     except _NotLocal:
@@ -189,6 +183,24 @@ def call_layer(layer, upstream_call, args, kwargs):
     if verdict is None or verdict.recomputes(layer):
         return upstream_call(layer, *args, **kwargs)
     return _call_locally(layer, upstream_call, args, kwargs, verdict)
+
+
+def local_calls_allowed():
+    """Whether a call may run locally here: local calls are on, the step
+    is not being compiled, and no saved-tensor hooks are active (a local
+    call inside a checkpoint must take the path of its other pass)."""
+    return (
+        ENABLED
+        and not torch.compiler.is_compiling()
+        and not _saved_tensors_hooked()
+    )
+
+
+def call_context_training():
+    """The `training` mode a call inherits from its caller's call context
+    (None outside any call)."""
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
 
 
 def _saved_tensors_hooked():
@@ -710,6 +722,13 @@ def _tensor_leaves(value):
     elif not isinstance(value, (tuple, list)):
         return []
     return [leaf for item in value for leaf in _tensor_leaves(item)]
+
+
+def computed_locally(value):
+    """Whether `value`, a DTensor, is a local call's output, unchanged
+    since: its local tensor is the one the call computed."""
+    computed = getattr(value, _COMPUTED_LOCALLY_ATTRIBUTE, None)
+    return computed is not None and computed[1] == value._version
 
 
 def local_tensor_of(value):

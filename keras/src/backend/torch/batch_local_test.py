@@ -851,24 +851,28 @@ class BatchLocalTest(testing.TestCase):
         logits = self.batch((6, 4))
         logits.requires_grad_(True)
         labels = self.batch((6, 4), seed=1).softmax(-1).detach()
-        results, gradients = [], []
-        for _ in range(2):  # watched, then local
+        results, gradients, local_calls = [], [], []
+        # Watched; per-sample values local; then the whole loss local
+        # (`batch_reductions.call_loss`).
+        for _ in range(3):
             logits.grad = None
-            value = self.call_in_step(loss, labels, logits)
+            with mock.patch.object(
+                batch_local, "_call_locally", wraps=batch_local._call_locally
+            ) as local:
+                value = self.call_in_step(loss, labels, logits)
             value.backward()
             results.append(value.full_tensor().item())
             gradients.append(logits.grad.full_tensor().numpy())
+            local_calls.append([c.args[0] for c in local.call_args_list])
         (verdict,) = self.verdicts(loss)
         self.assertIsNotNone(verdict)
         self.assertEqual(verdict.sublayers, ())
+        self.assertEqual(local_calls, [[], [loss], []])
         # Exactly the values and gradients of the DTensor call.
         self.assertEqual(results[0], results[1])
+        self.assertEqual(results[0], results[2])
         np.testing.assert_array_equal(gradients[0], gradients[1])
-        with mock.patch.object(
-            batch_local, "_call_locally", wraps=batch_local._call_locally
-        ) as local:
-            self.call_in_step(loss, labels, logits)
-        self.assertEqual(local.call_args.args[0], loss)
+        np.testing.assert_array_equal(gradients[0], gradients[2])
 
     def test_loss_errors_name_the_loss(self):
         loss = losses.MeanSquaredError(name="mse_of_test")

@@ -42,6 +42,9 @@ after backward, instead of holding every process at the loss until all
 have reached it.
 """
 
+import collections
+import weakref
+
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
@@ -76,6 +79,8 @@ def reduce_on_local_tensors(
     """
     plan = _local_plan(values, sample_weight, mask, reduction)
     if plan is None:
+        if _NOTED_PLANS[0] is not None:
+            _NOTED_PLANS[0].append(None)
         return upstream_reduce(
             values,
             sample_weight=sample_weight,
@@ -83,7 +88,6 @@ def reduce_on_local_tensors(
             reduction=reduction,
             dtype=dtype,
         )
-    shards, batch_dims, reduced_dims = plan
     local_weight = None
     if sample_weight is not None:
         local_weight = batch_local.local_tensor_of(sample_weight)
@@ -95,18 +99,142 @@ def reduce_on_local_tensors(
             reduction=reduction,
             dtype=dtype,
         )
-    mesh = values.device_mesh
-    if reduction == "sum":
+    plan = _LossPlan(values.device_mesh, reduction, *plan)
+    if _NOTED_PLANS[0] is not None:
+        _NOTED_PLANS[0].append(
+            plan if batch_local.computed_locally(values) else None
+        )
+    return _global_value(local, plan)
+
+
+def _global_value(local, plan):
+    """The reduction of every process's `local` reduction, as upstream's
+    reduction on DTensors lays it out."""
+    mesh = plan.mesh
+    if plan.reduction == "sum":
         # As upstream's sum on DTensors: a partial sum, all-reduced where
         # it is used.
         placements = [Replicate()] * mesh.ndim
-        for mesh_dim in batch_dims:
+        for mesh_dim in plan.batch_dims:
             placements[mesh_dim] = Partial("sum")
         return DTensor.from_local(local, mesh, placements, run_check=False)
     with created_tensors.suspended():
-        if shards > 1:
-            local = local / shards
-        return _SumOverBatch.apply(local, mesh, reduced_dims)
+        if plan.shards > 1:
+            local = local / plan.shards
+        return _SumOverBatch.apply(local, mesh, plan.reduced_dims)
+
+
+class _LossPlan(
+    collections.namedtuple(
+        "_LossPlan",
+        ("mesh", "reduction", "shards", "batch_dims", "reduced_dims"),
+    )
+):
+    """How local reductions add up to the global one: the mesh, the
+    reduction, the batch shard count, the batch mesh dims and those of
+    them to reduce over (`_local_plan`)."""
+
+
+# The plans `reduce_on_local_tensors` took inside `_call_noting_plan`, with
+# None for a reduction on DTensors or of values not computed locally; None
+# outside it.
+_NOTED_PLANS = [None]
+
+# loss -> {its arguments' key: `_LossPlan`}: losses whose value is
+# computed from local tensors end to end.
+_LOSS_PLANS = weakref.WeakKeyDictionary()
+
+
+def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
+    """`Loss.__call__` of a built-in loss in a distributed step: from the
+    arguments' local tensors where earlier calls proved that exact.
+
+    A built-in loss (`LossFunctionWrapper`) computes per-sample values
+    with `batch_local.call_layer`, then reduces them with
+    `reduce_on_local_tensors`. Once a call with the same global shapes,
+    dtypes and placements has computed its values locally (the watched
+    call proved them local to each batch shard) and reduced them locally,
+    the whole `Loss.__call__` runs on the local tensors of its arguments:
+    the casts, the per-sample values and the reduction, with the values
+    they have on local tensors in those calls, and the processes' local
+    reductions are added up by the same all-reduce. No DTensor is made or
+    read in between.
+
+    Args:
+        loss: the `LossFunctionWrapper`.
+        upstream_call: upstream `Loss.__call__`.
+        y_true: the targets.
+        y_pred: the predictions.
+        sample_weight: sample weights, or None.
+
+    Returns:
+        What `upstream_call` returns for these arguments.
+    """
+    key = _loss_key(loss, y_true, y_pred, sample_weight)
+    if key is None:
+        return upstream_call(loss, y_true, y_pred, sample_weight)
+    plans = _LOSS_PLANS.get(loss)
+    plan = None if plans is None else plans.get(key)
+    if plan is None or plan.mesh is not y_pred._spec.mesh:
+        return _call_noting_plan(
+            loss, upstream_call, key, y_true, y_pred, sample_weight
+        )
+    local_pred = batch_local.local_tensor_of(y_pred)
+    if getattr(local_pred, "_keras_mask", None) is not None:
+        return upstream_call(loss, y_true, y_pred, sample_weight)
+    local_weight = None
+    if sample_weight is not None:
+        local_weight = batch_local.local_tensor_of(sample_weight)
+    with created_tensors.suspended():
+        local = upstream_call(
+            loss, batch_local.local_tensor_of(y_true), local_pred, local_weight
+        )
+    return _global_value(local, plan)
+
+
+def _loss_key(loss, y_true, y_pred, sample_weight):
+    """What a loss's local plan is kept under: the loss's reduction and
+    dtype, the inherited `training` mode, and the global shape, dtype and
+    placements of each argument; None where a local call may not run
+    (`batch_local.local_calls_allowed`) or the arguments are not all
+    unmasked DTensors on the step's mesh (sample weights may be None)."""
+    mode = created_tensors.current_mode()
+    if (
+        mode is None
+        or not batch_local.local_calls_allowed()
+        or type(y_true) is not DTensor
+        or type(y_pred) is not DTensor
+        or (sample_weight is not None and type(sample_weight) is not DTensor)
+    ):
+        return None
+    arguments = (y_true, y_pred) + (
+        () if sample_weight is None else (sample_weight,)
+    )
+    for argument in arguments:
+        if (
+            argument._spec.mesh is not mode.mesh
+            or getattr(argument, "_keras_mask", None) is not None
+        ):
+            return None
+    return (
+        loss.reduction,
+        loss.dtype,
+        batch_local.call_context_training(),
+    ) + tuple((a.shape, a.dtype, a._spec.placements) for a in arguments)
+
+
+def _call_noting_plan(loss, upstream_call, key, y_true, y_pred, weight):
+    """`upstream_call`, keeping the loss's local plan for `key` where the
+    call's one reduction reduced locally computed values locally."""
+    outer = _NOTED_PLANS[0]
+    noted = _NOTED_PLANS[0] = []
+    try:
+        value = upstream_call(loss, y_true, y_pred, weight)
+    finally:
+        _NOTED_PLANS[0] = outer
+    if len(noted) == 1 and noted[0] is not None:
+        _LOSS_PLANS.setdefault(loss, {})[key] = noted[0]
+    return value
 
 
 def _local_plan(values, sample_weight, mask, reduction):

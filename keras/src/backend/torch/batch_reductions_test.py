@@ -16,7 +16,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+from keras.src import losses
 from keras.src import testing
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
@@ -105,6 +107,109 @@ class OneProcessBatchAxisTest(testing.TestCase):
         with created_tensors.replicate_created_tensors(self.mesh):
             plan = batch_reductions._local_plan(values, None, None, "mean")
         self.assertEqual(plan, (1, (0,), ()))
+
+    def call_loss_three_times(self, loss, weighted=False, mask=False):
+        """Per call of `loss` in a step: its value, the gradient of the
+        predictions, the value's placements, whether the per-sample values
+        went through `batch_local.call_layer`, and whether upstream's
+        reduction ran on DTensors."""
+        labels = self.split(np.arange(6) % 3)
+        logits = self.split(self.values, requires_grad=True)
+        weight = self.split(self.weights[:, 0]) if weighted else None
+        if mask:
+            logits._keras_mask = self.split(np.ones(6, dtype=bool))
+        results = []
+        for _ in range(3):
+            logits.grad = None
+            call_layer = mock.patch.object(
+                batch_local, "call_layer", wraps=batch_local.call_layer
+            )
+            reduce = mock.patch.object(
+                batch_reductions,
+                "reduce_on_local_tensors",
+                wraps=batch_reductions.reduce_on_local_tensors,
+            )
+            with call_layer as per_sample, reduce as reduction:
+                with created_tensors.replicate_created_tensors(self.mesh):
+                    value = loss(labels, logits, sample_weight=weight)
+            value.backward()
+            results.append(
+                {
+                    "value": value.full_tensor().detach().numpy(),
+                    "grad": logits.grad.full_tensor().numpy(),
+                    "placements": tuple(value.placements),
+                    "per_sample_call": per_sample.called,
+                    "reduction": reduction.called,
+                }
+            )
+        return results
+
+    def test_loss_runs_whole_on_local_tensors_from_its_third_call(self):
+        for reduction in ("sum_over_batch_size", "sum"):
+            for weighted in (False, True):
+                with self.subTest(reduction=reduction, weighted=weighted):
+                    loss = losses.SparseCategoricalCrossentropy(
+                        from_logits=True, reduction=reduction
+                    )
+                    results = self.call_loss_three_times(loss, weighted)
+                    # Watched, local per-sample values, then the whole
+                    # loss on local tensors.
+                    self.assertEqual(
+                        [r["per_sample_call"] for r in results],
+                        [True, True, False],
+                    )
+                    self.assertEqual(
+                        [r["reduction"] for r in results],
+                        [True, True, False],
+                    )
+                    (plan,) = batch_reductions._LOSS_PLANS[loss].values()
+                    self.assertEqual(
+                        (plan.reduction, plan.shards, plan.reduced_dims),
+                        (reduction, 1, ()),
+                    )
+                    for result in results[1:]:
+                        self.assertEqual(
+                            result["placements"], results[0]["placements"]
+                        )
+                        np.testing.assert_array_equal(
+                            result["value"], results[0]["value"]
+                        )
+                        np.testing.assert_array_equal(
+                            result["grad"], results[0]["grad"]
+                        )
+
+    def test_masked_predictions_keep_upstreams_loss_call(self):
+        loss = losses.SparseCategoricalCrossentropy(from_logits=True)
+        results = self.call_loss_three_times(loss, mask=True)
+        self.assertNotIn(loss, batch_reductions._LOSS_PLANS)
+        self.assertEqual([r["reduction"] for r in results], [True] * 3)
+        for result in results[1:]:
+            np.testing.assert_array_equal(result["value"], results[0]["value"])
+
+    def test_unreduced_losses_keep_no_plan(self):
+        loss = losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=None
+        )
+        labels = self.split(np.arange(6) % 3)
+        logits = self.split(self.values)
+        for _ in range(3):
+            with created_tensors.replicate_created_tensors(self.mesh):
+                value = loss(labels, logits)
+            self.assertEqual(tuple(value.shape), (6,))
+        self.assertNotIn(loss, batch_reductions._LOSS_PLANS)
+
+    def test_a_loss_with_a_call_of_its_own_keeps_upstreams_loss_call(self):
+        class Halved(losses.LossFunctionWrapper):
+            def call(self, y_true, y_pred):
+                return super().call(y_true, y_pred) / 2
+
+        loss = Halved(losses.sparse_categorical_crossentropy, from_logits=True)
+        with mock.patch.object(
+            batch_reductions, "call_loss", wraps=batch_reductions.call_loss
+        ) as call_loss:
+            results = self.call_loss_three_times(loss)
+        call_loss.assert_not_called()
+        self.assertEqual([r["reduction"] for r in results], [True] * 3)
 
     def unread_loss(self, value):
         """A replicated scalar DTensor whose local tensor is an
