@@ -205,8 +205,8 @@ def test_built_in_loss_runs_whole_on_local_tensors(reports, case):
     """A built-in loss's first call is watched on DTensors, its second
     computes the per-sample values in a local call and reduces them
     locally, and from the third on the whole loss runs on the local
-    tensors of its arguments (`batch_reductions.call_loss`): neither
-    `call_layer` nor the reduction's edit is reached. Every call gives the
+    tensors of its arguments (`batch_reductions.call_loss`): `call_layer`
+    is not reached, nor is any DTensor reduced. Every call gives the
     value, gradient, placements and collectives of the loss computed on
     DTensors, bit for bit."""
     mean = case.startswith("sum_over_batch_size")
@@ -214,7 +214,11 @@ def test_built_in_loss_runs_whole_on_local_tensors(reports, case):
         calls = report[f"wholeloss/{case}/calls"]
         reference = report[f"wholeloss/{case}/dtensor"]
         assert [c["per_sample_call"] for c in calls] == [True, True, False]
-        assert [c["reduce_edit"] for c in calls] == [True, True, False]
+        assert [c["dtensor_values_reduced"] for c in calls] == [
+            True,
+            True,
+            False,
+        ]
         for call in calls:
             for key in ("value", "grad", "placements", "counts"):
                 assert call[key] == reference[key], key

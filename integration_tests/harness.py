@@ -214,6 +214,10 @@ def _rendezvous_args(torchrun_args):
     return ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
 
 
+# The `TORCH_DISTRIBUTED_DEBUG` level of the workers, if not `DETAIL`.
+DEBUG_ENV_VAR = "KERAS_DTENSOR_TEST_DISTRIBUTED_DEBUG"
+
+
 def worker_env(
     result_dir, timeout, env=None, base=None, nprocs=1, gpu_count=None
 ):
@@ -223,7 +227,11 @@ def worker_env(
     `KERAS_DTENSOR_TIMEOUT_SECONDS` (half the launch's, at least 30 s) and
     `TORCH_DISTRIBUTED_DEBUG=DETAIL`: before each collective, torch checks
     that every rank issues the same operation on the same shapes, and fails
-    naming both otherwise. `PYTHONFAULTHANDLER=1` makes a worker killed by
+    naming both otherwise (`DEBUG_ENV_VAR` in `base` sets another level:
+    `scripts/upstream_patches.sh` runs the patched keras, whose workers'
+    single-process references build DDP, which torch 2.13.0 cannot
+    construct over gloo under `DETAIL`). `PYTHONFAULTHANDLER=1` makes a
+    worker killed by
     a signal print its Python stacks. Workers run on CPU and gloo whatever
     GPUs are visible (`CUDA_VISIBLE_DEVICES` is emptied), unless
     `NCCL_ENV_VAR` (`KERAS_DTENSOR_TEST_NCCL=1`) is set in `base` and there
@@ -249,7 +257,7 @@ def worker_env(
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             "KERAS_DTENSOR_TIMEOUT_SECONDS": str(max(30, timeout // 2)),
-            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            "TORCH_DISTRIBUTED_DEBUG": process_env.get(DEBUG_ENV_VAR, "DETAIL"),
             # The workers' single-process references train without a
             # distribution: no DDP (a later keras would build one).
             "KERAS_DTENSOR_NO_DDP": "1",

@@ -31,6 +31,12 @@ def test_nccl_opt_in_keeps_gpus_when_there_are_enough():
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
 
 
+def test_debug_level_may_be_set_for_the_workers():
+    base = dict(BASE, **{harness.DEBUG_ENV_VAR: "OFF"})
+    env = harness.worker_env("/results", 240, base=base, nprocs=2, gpu_count=2)
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "OFF"
+
+
 def test_nccl_opt_in_falls_back_to_cpu_with_too_few_gpus():
     base = dict(BASE, **{harness.NCCL_ENV_VAR: "1"})
     env = harness.worker_env("/results", 240, base=base, nprocs=4, gpu_count=2)

@@ -299,13 +299,14 @@ def whole_losses():
 
     Per call: the bits of the value and of the logits' gradient, the
     value's placements, the collectives, whether the per-sample values
-    went through `batch_local.call_layer`, and whether upstream's
-    reduction went through `reduce_on_local_tensors` (the third call runs
-    the whole loss on local tensors, `batch_reductions.call_loss`, and
-    does neither). The reference is the loss with local calls and local
-    reductions off: every operator on DTensors.
+    went through `batch_local.call_layer`, and whether they reached the
+    reduction as DTensors (the third call runs the whole loss on local
+    tensors, `batch_reductions.call_loss`, and does neither). The
+    reference is the loss with local calls and local reductions off:
+    every operator on DTensors.
     """
     import torch
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
@@ -349,7 +350,9 @@ def whole_losses():
             "placements": [str(p) for p in value.placements],
             "counts": counts,
             "per_sample_call": local.called,
-            "reduce_edit": r.called,
+            "dtensor_values_reduced": any(
+                type(c.args[1]) is DTensor for c in r.call_args_list
+            ),
         }
 
     for reduction in ("sum_over_batch_size", "sum"):

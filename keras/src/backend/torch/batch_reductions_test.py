@@ -111,8 +111,8 @@ class OneProcessBatchAxisTest(testing.TestCase):
     def call_loss_three_times(self, loss, weighted=False, mask=False):
         """Per call of `loss` in a step: its value, the gradient of the
         predictions, the value's placements, whether the per-sample values
-        went through `batch_local.call_layer`, and whether upstream's
-        reduction ran on DTensors."""
+        went through `batch_local.call_layer`, and whether the reduction
+        met per-sample values that are DTensors."""
         labels = self.split(np.arange(6) % 3)
         logits = self.split(self.values, requires_grad=True)
         weight = self.split(self.weights[:, 0]) if weighted else None
@@ -139,7 +139,10 @@ class OneProcessBatchAxisTest(testing.TestCase):
                     "grad": logits.grad.full_tensor().numpy(),
                     "placements": tuple(value.placements),
                     "per_sample_call": per_sample.called,
-                    "reduction": reduction.called,
+                    "reduction": any(
+                        type(c.args[1]) is DTensor
+                        for c in reduction.call_args_list
+                    ),
                 }
             )
         return results
