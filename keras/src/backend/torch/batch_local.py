@@ -221,7 +221,11 @@ def _signature(value, leaves):
         if getattr(value, "_keras_mask", None) is not None:
             raise _NotLocal
         leaves.append(value)
-        return (DTensor, value.shape, value.dtype, value.placements)
+        # Read from the spec: a tensor's `shape` and `dtype` go through
+        # the step's torch function mode.
+        spec = value._spec
+        meta = spec.tensor_meta
+        return (DTensor, meta.shape, meta.dtype, spec.placements)
     if isinstance(value, _SCALARS):
         return (type(value), value)
     if isinstance(value, (tuple, list)):

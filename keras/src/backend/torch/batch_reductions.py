@@ -220,7 +220,15 @@ def _loss_key(loss, y_true, y_pred, sample_weight):
         loss.reduction,
         loss.dtype,
         batch_local.call_context_training(),
-    ) + tuple((a.shape, a.dtype, a._spec.placements) for a in arguments)
+    ) + tuple(_global_layout(a) for a in arguments)
+
+
+def _global_layout(value):
+    """A DTensor's global shape, dtype and placements, read from its spec
+    (a tensor's `shape` and `dtype` go through the step's torch function
+    mode)."""
+    spec = value._spec
+    return spec.tensor_meta.shape, spec.tensor_meta.dtype, spec.placements
 
 
 def _call_noting_plan(loss, upstream_call, key, y_true, y_pred, weight):
