@@ -78,6 +78,13 @@ RUNS = [
     "rows",
     "wholeloss",
 ]
+# Loss reductions, each with (1) or without (0) sample weights.
+LOSS_CASES = [
+    "sum_over_batch_size:0",
+    "sum_over_batch_size:1",
+    "sum:0",
+    "sum:1",
+]
 BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
@@ -131,15 +138,7 @@ def test_tensor_parallel_block_needs_one_all_reduce_each_way(
         assert counts(report, run) == {DTENSOR_ALL_REDUCE: 2}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "sum_over_batch_size:0",
-        "sum_over_batch_size:1",
-        "sum:0",
-        "sum:1",
-    ],
-)
+@pytest.mark.parametrize("case", LOSS_CASES)
 def test_loss_reduction_on_local_tensors_equals_dtensors(reports, case):
     """Each process reduces its own loss values: the value and the
     values' gradient have the bits of upstream's reduction on DTensors (2
@@ -192,15 +191,7 @@ def test_data_parallel_step_reads_its_loss_after_backward(reports, optimizer):
         ]
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "sum_over_batch_size:0",
-        "sum_over_batch_size:1",
-        "sum:0",
-        "sum:1",
-    ],
-)
+@pytest.mark.parametrize("case", LOSS_CASES)
 def test_built_in_loss_runs_whole_on_local_tensors(reports, case):
     """A built-in loss's first call is watched on DTensors, its second
     computes the per-sample values in a local call and reduces them
