@@ -154,7 +154,7 @@ def distribute_data(data, distribution):
         return distribute_global_batch(x, distribution.get_data_layout(x.shape))
 
     if distribution.auto_shard_dataset:
-        return tree.map_structure(distribute_one, data)
+        return _map_leaves(distribute_one, data)
     leaves = tree.flatten(data)
     parts = [
         i
@@ -168,6 +168,23 @@ def distribute_data(data, distribution):
     for i, value in zip(parts, distributed):
         leaves[i] = value
     return tree.pack_sequence_as(data, leaves)
+
+
+def _map_leaves(function, data):
+    """`tree.map_structure(function, data)`, with lists and tuples (of
+    exactly those types) and their tensor, array and None leaves mapped
+    here.
+
+    A step's batch is a list holding one `(x, y, sample_weight)` tuple:
+    pytree's generic traversal of it costs more than cutting the batch.
+    Any other structure goes to `tree.map_structure`.
+    """
+    kind = type(data)
+    if kind is list or kind is tuple:
+        return kind(_map_leaves(function, item) for item in data)
+    if data is None or isinstance(data, (torch.Tensor, np.ndarray)):
+        return function(data)
+    return tree.map_structure(function, data)
 
 
 def distribute_process_parts(parts, layouts):

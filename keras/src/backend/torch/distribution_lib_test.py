@@ -176,6 +176,35 @@ class SingleProcessDistributionTest(testing.TestCase):
             self.assertEqual(tuple(value.shape), (4, 2))
             self.assertAllClose(value.full_tensor(), batch)
 
+    def test_distribute_data_keeps_the_batch_structure(self):
+        from keras.src import tree
+
+        distribution = distribution_api.DataParallel(devices=["cpu:0"])
+        x = np.arange(8.0, dtype="float32").reshape(4, 2)
+        y = torch.arange(4)
+        batches = (
+            # A step's batch: a list of one `(x, y, sample_weight)`.
+            [(x, y, None)],
+            ({"a": x, "b": [y, 3.0]}, (y,)),
+        )
+        for data in batches:
+            result = distribution_lib.distribute_data(data, distribution)
+            self.assertEqual(
+                tree.map_structure(type, result),
+                tree.map_structure(
+                    lambda v: DTensor if hasattr(v, "shape") else type(v),
+                    data,
+                ),
+            )
+            for value, given in zip(tree.flatten(result), tree.flatten(data)):
+                if isinstance(value, DTensor):
+                    self.assertEqual(tuple(value.placements), (Shard(0),))
+                    np.testing.assert_array_equal(
+                        value.full_tensor().numpy(), np.asarray(given)
+                    )
+                else:
+                    self.assertIs(value, given)
+
     def test_distribute_tensor_skips_symbolic_and_none(self):
         layout = distribution_api.TensorLayout((None,), self.mesh)
         symbolic = backend.KerasTensor((2,))
