@@ -155,10 +155,10 @@ def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
     dtypes and placements has computed its values locally (the watched
     call proved them local to each batch shard) and reduced them locally,
     the whole `Loss.__call__` runs on the local tensors of its arguments:
-    the casts, the per-sample values and the reduction, with the values
-    they have on local tensors in those calls, and the processes' local
-    reductions are added up by the same all-reduce. No DTensor is made or
-    read in between.
+    the casts, the per-sample values and the reduction are the operators
+    those calls ran on local tensors, and the processes' local reductions
+    are added up by the same all-reduce (`_global_value`). No DTensor is
+    made or read in between.
 
     Args:
         loss: the `LossFunctionWrapper`.
