@@ -6,7 +6,8 @@ or `MODE:MODEL:OPTIMIZER:EXTRA`, and its values are reported under
 given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODE: `single` (no distribution), `dp` (DataParallel), `mp` (ModelParallel
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
-  MODEL: `mlp` or `transformer`.
+  MODEL: `mlp`, `transformer` or `recurrent` (masked tokens through
+    `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
     `pydataset`, `dataloader`, `dropout`, `custom` (the model's own
@@ -94,12 +95,32 @@ def build_model(run):
         outputs = keras.layers.Dense(4, name="head")(x)
         return model_class(inputs, outputs)
     inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
+    if run.model == "recurrent":
+        return model_class(inputs, recurrent_head(inputs))
     x = keras.layers.Embedding(VOCAB, HIDDEN, name="embed")(inputs)
     for i in range(2):
         x = transformer_block(x, f"block{i}")
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     outputs = keras.layers.Dense(4, name="head")(x)
     return model_class(inputs, outputs)
+
+
+def recurrent_head(tokens):
+    """Masked embeddings through three recurrent layers, then a head.
+
+    With a mask, `LSTM` and `GRU` run Keras's generic RNN loop, as
+    `SimpleRNN` always does; the loop iterates over the batch dimension
+    of its first step's output.
+    """
+    x = keras.layers.Embedding(VOCAB, HIDDEN, mask_zero=True, name="embed")(
+        tokens
+    )
+    x = keras.layers.LSTM(HIDDEN, return_sequences=True, name="lstm")(x)
+    x = keras.layers.SimpleRNN(
+        HIDDEN, return_sequences=True, go_backwards=True, name="rnn"
+    )(x)
+    x = keras.layers.GRU(HIDDEN, name="gru")(x)
+    return keras.layers.Dense(4, name="head")(x)
 
 
 # Layouts under `mp` and `2d`, by model: Megatron-style column- then
@@ -119,6 +140,11 @@ MODEL_LAYOUTS = {
         ".*mlp_up/bias": ("model",),
         ".*mlp_down/kernel": ("model", None),
     },
+    "recurrent": {
+        "embed/embeddings": (None, "model"),
+        ".*(lstm|gru)_cell/kernel": (None, "model"),
+        ".*recurrent_kernel": ("model", None),
+    },
 }
 
 
@@ -127,6 +153,10 @@ def make_data(run):
     n = run.num_samples
     if run.model == "mlp":
         x = rng.normal(size=(n, 12)).astype("float32")
+    elif run.model == "recurrent":
+        # Every other sequence ends in padding (token 0, masked).
+        x = rng.integers(1, VOCAB, size=(n, SEQ)).astype("int32")
+        x[::2, SEQ - 2 :] = 0
     else:
         x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
     y = rng.integers(0, 4, size=(n,)).astype("int32")

@@ -42,6 +42,14 @@ refuses.
   installed torch).
 - **`scatter_reduce`** (Keras's segment reductions, used by `AUC`): none
   in DTensor; it runs replicated on the small tensors it gets.
+- **Unbinding a sharded dimension.** Torch's `unbind` rule refuses to
+  split a tensor along a dimension it is sharded on ("Attempted to unbind
+  along the sharded dimension"). Iterating over a tensor unbinds its
+  first dimension: Keras's generic RNN loop (`SimpleRNN`, and `LSTM` or
+  `GRU` with a mask) iterates over its first step's output, whose first
+  dimension is the batch. Where torch's rule refuses, the rule is torch's
+  own, applied to the input with that dimension gathered (replicated):
+  the values are exact, and the gather costs an all-gather.
 
 `register()` installs every rule; `distribution_lib` calls it when it
 creates its first mesh, before any DTensor op runs.
@@ -53,6 +61,10 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSpec
+from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.experimental import register_sharding
 
 # View ops whose rule refuses to flatten or reshape a sharded dimension.
@@ -62,6 +74,8 @@ _VIEW_REFUSALS = (
     "Attempted to flatten multiple dimensions",
     "would remove or reshape sharded dimension",
 )
+# What torch's `unbind` rule says where the unbound dimension is sharded.
+_UNBIND_REFUSAL = "Attempted to unbind along the sharded dimension"
 # Whether `register` ran.
 _REGISTERED = False
 
@@ -84,6 +98,7 @@ def register():
     for op, rule in _cuda_attention_rules().items():
         register_sharding(op)(rule)
     _register_view_fallbacks()
+    _register_unbind_fallback()
 
 
 def _cuda_attention_rules():
@@ -137,6 +152,86 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
 
     rule.keras_reshape_fallback = True
     return rule
+
+
+def _register_unbind_fallback():
+    """An `unbind` rule that gathers the unbound dimension where torch's
+    refuses."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.unbind.int
+    unbind_rule = propagator.op_strategy_funcs[op]
+    if not getattr(unbind_rule, "keras_gather_fallback", False):
+        propagator.register_op_strategy(
+            op,
+            unbind_with_gather_fallback(unbind_rule),
+            propagator.op_to_schema_info.get(op),
+        )
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def unbind_with_gather_fallback(unbind_rule):
+    """An `unbind` rule that gathers the unbound dimension where
+    `unbind_rule` refuses to unbind a sharded dimension.
+
+    The fallback is `unbind_rule` itself, applied to the input laid out
+    with every `Shard` of the unbound dimension replaced by `Replicate`:
+    its strategy asks DTensor for that layout, which DTensor reaches by
+    an all-gather before unbinding. Any other refusal of `unbind_rule` is
+    raised as it is.
+    """
+
+    def rule(op_schema):
+        try:
+            return unbind_rule(op_schema)
+        except RuntimeError as error:
+            if _UNBIND_REFUSAL not in str(error):
+                raise
+        return _with_input_costs(
+            unbind_rule(_unbound_dimension_gathered(op_schema)),
+            op_schema.args_schema[0],
+        )
+
+    rule.keras_gather_fallback = True
+    return rule
+
+
+def _unbound_dimension_gathered(op_schema):
+    """`op_schema` of `unbind`, its input's strategies replicated along
+    the unbound dimension."""
+    input_strategy = op_schema.args_schema[0]
+    dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
+    dim = dim % input_strategy.ndim
+    gathered = OpStrategy(
+        [
+            OpSpec(_gathered_spec(strategy.output_spec, dim))
+            for strategy in input_strategy.strategies
+        ]
+    )
+    return OpSchema(
+        op_schema.op,
+        (gathered,) + tuple(op_schema.args_schema[1:]),
+        op_schema.kwargs_schema,
+        schema_info=op_schema.schema_info,
+    )
+
+
+def _gathered_spec(spec, dim):
+    """`spec` with its shards of tensor dimension `dim` replicated."""
+    placements = tuple(
+        Replicate() if isinstance(p, Shard) and p.dim == dim else p
+        for p in spec.placements
+    )
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def _with_input_costs(strategy, input_strategy):
+    """`strategy` (of a gathered input) with the costs of redistributing
+    `input_strategy` to each of its input layouts."""
+    for op_spec in strategy.strategies:
+        op_spec.redistribute_cost = [
+            generate_redistribute_costs(input_strategy, op_spec.input_specs[0])
+        ]
+    return strategy
 
 
 def _cpu_attention_sharding(query, key, value, *args, **kwargs):

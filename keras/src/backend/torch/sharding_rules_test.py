@@ -146,6 +146,64 @@ class ViewFallbackTest(testing.TestCase):
         self.assertEqual(y.view(6, 4).placements, (Replicate(),))
 
 
+class UnbindFallbackTest(testing.TestCase):
+    """`unbind` along a sharded dimension gathers that dimension; other
+    unbinds keep torch's rule."""
+
+    def setUp(self):
+        super().setUp()
+        sharding_rules.register()
+        self.value = np.arange(24.0, dtype="float32").reshape(4, 3, 2)
+
+    def distributed(self, shape, names, placements):
+        mesh = distribution_api.DeviceMesh(shape, names, ["cpu:0"])
+        tensor = torch.from_numpy(self.value).requires_grad_(True)
+        return distribute_tensor(tensor, mesh.backend_mesh, placements)
+
+    def check_rows(self, rows, placements):
+        self.assertLen(rows, 4)
+        for row, expected in zip(rows, self.value):
+            self.assertEqual(row.placements, placements)
+            self.assertAllClose(row.full_tensor().detach().numpy(), expected)
+
+    def test_iterating_over_a_sharded_dimension_gathers_it(self):
+        x = self.distributed((1,), ("batch",), [Shard(0)])
+        rows = list(x)
+        self.check_rows(rows, (Replicate(),))
+        weights = torch.arange(4.0).reshape(4, 1, 1)
+        replicated = DTensor.from_local(weights, x.device_mesh, [Replicate()])
+        (torch.stack(rows) * replicated).sum().backward()
+        self.assertAllClose(
+            x.grad.full_tensor().numpy(),
+            np.broadcast_to(weights.numpy(), self.value.shape),
+        )
+
+    def test_gathers_only_the_unbound_dimension(self):
+        x = self.distributed((1, 1), ("batch", "model"), [Shard(0), Shard(1)])
+        # Dimension 1 of `x` is dimension 0 of each row.
+        self.check_rows(torch.unbind(x, 0), (Replicate(), Shard(0)))
+
+    def test_unbinding_another_dimension_keeps_torchs_rule(self):
+        x = self.distributed((1,), ("batch",), [Shard(1)])
+        self.check_rows(torch.unbind(x, 0), (Shard(0),))
+
+    def test_other_refusals_are_raised(self):
+        def refusing(op_schema):
+            raise RuntimeError("some other refusal")
+
+        rule = sharding_rules.unbind_with_gather_fallback(refusing)
+        with self.assertRaisesRegex(RuntimeError, "some other refusal"):
+            rule("schema")
+
+    def test_register_wraps_once(self):
+        propagator = sharding_rules.DTensor._op_dispatcher.sharding_propagator
+        first = propagator.op_strategy_funcs[torch.ops.aten.unbind.int]
+        sharding_rules._register_unbind_fallback()
+        again = propagator.op_strategy_funcs[torch.ops.aten.unbind.int]
+        self.assertIs(first, again)
+        self.assertTrue(first.keras_gather_fallback)
+
+
 class CudaAttentionRulesTest(testing.TestCase):
     """The CUDA attention kernels' rules, checked on CPU.
 
