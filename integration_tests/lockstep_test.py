@@ -1,7 +1,7 @@
 """Collectives in lockstep, and what happens when a process leaves them.
 
-`workers/lockstep_worker.py` runs five scenarios on 2 gloo processes:
-the first three in one launch, the failing two in a launch each (every
+`workers/lockstep_worker.py` runs six scenarios on 2 gloo processes:
+the first four in one launch, the failing two in a launch each (every
 launch of the harness runs with `TORCH_DISTRIBUTED_DEBUG=DETAIL`, which
 fails a collective that another rank pairs with a different one):
 
@@ -21,6 +21,10 @@ fails a collective that another rank pairs with a different one):
   with rank 1 slow, by random delays, in converting batch-end logs (which
   gathers the predictions): under a distribution these callbacks run on
   the main thread, and `predict` returns `predict_on_batch`'s rows.
+- `raised`: the first backward pass of a `fit` raises (on every rank),
+  after some gradients were sent in their buckets; the caller catches the
+  error and calls `fit` again, which must train as the same model does
+  without a distribution: the failed pass's buckets are dropped.
 - `skip`: rank 0 alone calls `model.evaluate`, then both `model.predict`.
 - `die`: rank 1 is killed (SIGKILL) in the middle of a training step.
 
@@ -70,7 +74,8 @@ def launch_failing(scenario, tmp_path):
 
 @pytest.fixture(scope="module")
 def ordered(tmp_path_factory):
-    """One launch of the `hidden`, `buckets` and `async_logs` scenarios.
+    """One launch of the `hidden`, `buckets`, `async_logs` and `raised`
+    scenarios.
 
     `hidden` comes first: it makes the process group itself.
     """
@@ -78,7 +83,7 @@ def ordered(tmp_path_factory):
         "lockstep_worker.py",
         2,
         tmp_path_factory.mktemp("ordered"),
-        args=["hidden", "buckets", "async_logs"],
+        args=["hidden", "buckets", "async_logs", "raised"],
         timeout=240,
         env={"KERAS_DTENSOR_BUCKET_CAP_MB": "0"},
     )
@@ -111,6 +116,18 @@ def test_batch_end_logs_are_gathered_on_the_main_thread(ordered):
             atol=1e-6,
         )
         assert report["async_logs/loss"] == ordered[0]["async_logs/loss"]
+
+
+def test_a_step_that_raised_leaves_no_buckets_behind(ordered):
+    for report in ordered:
+        assert report["raised/error"] == "backward failed on purpose"
+        losses, weights = report["raised/retried"]
+        reference_losses, reference_weights = report["raised/reference"]
+        assert len(losses) == len(reference_losses) == 8
+        np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+        for got, expected in zip(weights, reference_weights):
+            np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert ordered[0]["raised/retried"] == ordered[1]["raised/retried"]
 
 
 def test_rank_skipping_a_call_ends_every_rank_in_time(tmp_path):

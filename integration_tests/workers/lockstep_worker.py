@@ -117,7 +117,7 @@ def skip():
     keras.distribution.set_distribution(data_parallel())
     model = build_model()
     x, y = data()
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     mark_start()
     if dist.get_rank() == 0:
         model.evaluate(x, y, batch_size=8, verbose=0)
@@ -130,7 +130,7 @@ def die():
     model = build_model(die_at=3)
     x, y = data()
     mark_start()
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
 
 
 class SlowBackwardOnRankOne(keras.layers.Layer):
@@ -171,8 +171,70 @@ def buckets():
 
     gradient_buckets._Bucket.launch = launch
     x, y = data()
-    model.fit(x, y, batch_size=8, epochs=2, verbose=1)
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=1)
+    finally:
+        gradient_buckets._Bucket.launch = upstream_launch
     worker_utils.record("buckets", sent)
+
+
+class RaiseInFirstBackward(keras.layers.Layer):
+    """Identity whose gradient raises the first time backward reaches it,
+    after the gradients of the layers above it have joined their buckets."""
+
+    raised = False
+
+    def call(self, inputs, training=False):
+        if training and inputs.requires_grad:
+            inputs.register_hook(self.raise_once)
+        return inputs
+
+    @classmethod
+    def raise_once(cls, grad):
+        if not cls.raised:
+            cls.raised = True
+            raise RuntimeError("backward failed on purpose")
+        return grad
+
+
+def raised():
+    """A `fit` whose first backward pass raises, caught, then `fit`
+    again; and the same model trained without a distribution."""
+
+    def train(failing):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((8,))
+        x = keras.layers.Dense(16, activation="relu", name="first")(inputs)
+        if failing:
+            x = RaiseInFirstBackward()(x)
+        x = keras.layers.Dense(16, activation="relu", name="second")(x)
+        outputs = keras.layers.Dense(1, name="out")(x)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = data()
+        if failing:
+            try:
+                model.fit(
+                    x, y, batch_size=8, epochs=1, verbose=0, shuffle=False
+                )
+            except RuntimeError as error:
+                worker_utils.record("error", str(error).splitlines()[0])
+        losses = worker_utils.BatchLosses()
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
+            callbacks=[losses],
+        )
+        return losses.losses, [w.tolist() for w in model.get_weights()]
+
+    keras.distribution.set_distribution(None)
+    worker_utils.record("reference", train(failing=False))
+    keras.distribution.set_distribution(data_parallel())
+    worker_utils.record("retried", train(failing=True))
 
 
 def async_logs():
@@ -208,6 +270,7 @@ def main():
     scenarios = {"hidden": hidden, "skip": skip, "die": die}
     scenarios["buckets"] = buckets
     scenarios["async_logs"] = async_logs
+    scenarios["raised"] = raised
     for name in sys.argv[1:]:
         with worker_utils.prefixed(name):
             scenarios[name]()

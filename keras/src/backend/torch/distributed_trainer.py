@@ -97,6 +97,7 @@ from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch import gradient_buckets
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -117,7 +118,9 @@ class DistributedStepFunction:
     leaf distributed by `distribution_lib.distribute_data`, and runs in
     `distribution_lib.replicate_created_tensors` (in the mode Dynamo
     traces whole when `step_fn` is compiled). Without a distribution,
-    `step_fn` runs as it is.
+    `step_fn` runs as it is. A step that raises leaves no gradient
+    reduction pending (`gradient_buckets.discard_pending`): the next step,
+    after the caller caught the error, trains as if it were the first.
 
     Args:
         step_fn: the step function, taking the batch.
@@ -145,7 +148,12 @@ class DistributedStepFunction:
         with distribution_lib.replicate_created_tensors(
             distribution.device_mesh, compiled=self.compiled_for_distribution
         ):
-            return self.distributed_step_fn(data)
+            try:
+                return self.distributed_step_fn(data)
+            except BaseException:
+                # A backward pass that raised leaves its buckets behind.
+                gradient_buckets.discard_pending()
+                raise
 
 
 def distribute_step_function(trainer, kind):

@@ -241,6 +241,23 @@ def test_eager_step_distributes_its_batch(distribution):
     assert set(logs) == {"loss", "accuracy"}
 
 
+def test_a_step_that_raises_discards_pending_buckets(distribution):
+    from keras.src.backend.torch import gradient_buckets
+
+    def failing_step(data):
+        # As a backward pass that raised after filling a bucket.
+        gradient_buckets._PENDING.finalizer_queued = True
+        gradient_buckets._PENDING.open["key"] = "bucket"
+        raise RuntimeError("step failed")
+
+    step = distributed_trainer.DistributedStepFunction(failing_step)
+    batch = (np.ones((2, 4), "float32"), np.zeros((2,), "int32"))
+    with pytest.raises(RuntimeError, match="step failed"):
+        step((batch,))
+    assert not gradient_buckets._PENDING.finalizer_queued
+    assert gradient_buckets._PENDING.open == {}
+
+
 def test_step_on_data_keeps_a_models_own_train_step(distribution):
     calls = []
 

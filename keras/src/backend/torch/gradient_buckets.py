@@ -448,6 +448,23 @@ def _finish_backward():
             bucket.finish(assigned)
 
 
+def discard_pending():
+    """Drops the buckets of a backward pass that raised.
+
+    Autograd runs `_finish_backward` only when backward completes. After a
+    backward pass that raised, its buckets, and the mark that the
+    finalizer is queued, would be taken for the next backward pass's:
+    that pass would queue no finalizer, so its gradients would never
+    reach the parameters, and the stale gradients would join its buckets.
+    A step that raises calls this (`DistributedStepFunction`).
+    Collectives the failed pass sent are left to complete; their buffers
+    are not read.
+    """
+    global _PENDING
+
+    _PENDING = _PendingReduction()
+
+
 def _accumulated(parameter, local):
     """The local part of the parameter's gradient once its reduced
     `local` gradient is in.

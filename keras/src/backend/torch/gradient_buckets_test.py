@@ -144,6 +144,29 @@ class GradientBucketsTest(testing.TestCase):
                 parameter.grad.full_tensor().numpy(), expected, atol=1e-6
             )
 
+    def test_discarding_a_failed_backwards_buckets(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+
+        def fail(grad):
+            # Backward reaches the first layer's output after the later
+            # layers' gradients joined their bucket.
+            raise RuntimeError("backward failed")
+
+        with self.assertRaisesRegex(RuntimeError, "backward failed"):
+            mlp_loss(parameters, self.mesh, observe=fail).backward()
+        # Autograd ran no finalizer: the buckets are left behind.
+        self.assertTrue(gradient_buckets._PENDING.finalizer_queued)
+        self.assertNotEqual(gradient_buckets._PENDING.open, {})
+        gradient_buckets.discard_pending()
+        for parameter in parameters:
+            parameter.grad = None
+        mlp_loss(parameters, self.mesh).backward()
+        for parameter, expected in zip(parameters, self.reference_gradients()):
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+        self.assertFalse(gradient_buckets._PENDING.finalizer_queued)
+
     def test_partial_sum_reduction_plans(self):
         partial = (Partial(),)
         self.assertEqual(
