@@ -32,6 +32,7 @@ RUNS = {
         "mp:transformer:adamw",
         "dp:recurrent:adamw",
         "mp:recurrent:sgd",
+        "dp:cnn:adamw",
     ],
     4: ["2d:transformer:sgd"],
 }
@@ -64,6 +65,9 @@ DESCRIPTIONS = {
     "`SimpleRNN` and `GRU`, AdamW",
     "mp:recurrent:sgd": "ModelParallel (1, 2), masked `LSTM`, `SimpleRNN` "
     "and `GRU`, SGD",
+    "dp:cnn:adamw": "DataParallel, 2 processes, `RandomRotation`, `Conv2D`, "
+    '`AveragePooling2D` (uneven "same" padding), `BatchNormalization`, '
+    "`MaxPooling2D`, AdamW",
 }
 # How far the distributed attention key bias under AdamW may be from the
 # reference, in units of the most one process shows between other
@@ -184,8 +188,11 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
     the cells and the head run locally; the recurrent layers, and so the
     model, stay on DTensors: Keras's generic RNN loop unbinds the batch
     dimension of its first step's output, which gathers it
-    (`sharding_rules`), a collective. The verdicts are the same on every
-    rank. Without a distribution nothing is judged.
+    (`sharding_rules`), a collective. Every layer of the convolutional
+    model runs locally at least once: in `evaluate` and `predict` the
+    rotation draws nothing and the batch normalization reads its moving
+    statistics. The verdicts are the same on every rank. Without a
+    distribution nothing is judged.
     """
     references, reports = launches
     for nprocs, runs in RUNS.items():
@@ -196,8 +203,8 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
             ]
             assert all(n == names[0] for n in names), (spec, names)
             names = names[0]
-            if spec == "dp:recurrent:adamw":
-                assert names == list(RECURRENT_LOCAL_NAMES), names
+            if spec in MODEL_LOCAL_NAMES:
+                assert names == list(MODEL_LOCAL_NAMES[spec]), names
             elif spec == "dp:mlp:adamw:dropout":
                 # In training only the dense layers; in `evaluate` and
                 # `predict`, where dropout draws nothing, all of them.
@@ -212,8 +219,21 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
 
 # The MLP's layer names (the functional model's own name is generated).
 LAYER_NAMES = ("up", "down", "head")
-# The recurrent model's layers that run locally under DataParallel.
-RECURRENT_LOCAL_NAMES = ("gru_cell", "head", "lstm_cell", "simple_rnn_cell")
+# The layers of the recurrent and convolutional models that ran locally
+# under DataParallel, by run.
+MODEL_LOCAL_NAMES = {
+    "dp:recurrent:adamw": ("gru_cell", "head", "lstm_cell", "simple_rnn_cell"),
+    "dp:cnn:adamw": (
+        "avgpool",
+        "cnn",
+        "conv",
+        "flatten",
+        "head",
+        "maxpool",
+        "norm",
+        "rotate",
+    ),
+}
 
 
 # The fewest sharded variables created shard by shard, by model: the
@@ -408,13 +428,13 @@ def test_evaluate_and_predict_match_single_device(case):
         np.testing.assert_allclose(
             predictions, np.asarray(ref["predict"]), atol=1e-5
         )
-        # `model(x)` called directly returns the global batch as well.
+        # `model(x)` called directly returns the global batch as well,
+        # with or without `training=False` (which is `predict`'s call).
+        for call in ("direct_call", "direct_inference"):
+            np.testing.assert_allclose(report[call], ref[call], atol=1e-5)
         np.testing.assert_allclose(
-            report["direct_call"], ref["direct_call"], atol=1e-5
-        )
-        np.testing.assert_allclose(
-            report["direct_call"],
-            predictions[: len(report["direct_call"])],
+            report["direct_inference"],
+            predictions[: len(report["direct_inference"])],
             atol=1e-5,
         )
 

@@ -6,8 +6,10 @@ or `MODE:MODEL:OPTIMIZER:EXTRA`, and its values are reported under
 given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODE: `single` (no distribution), `dp` (DataParallel), `mp` (ModelParallel
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
-  MODEL: `mlp`, `transformer` or `recurrent` (masked tokens through
-    `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop).
+  MODEL: `mlp`, `transformer`, `recurrent` (masked tokens through
+    `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop) or
+    `cnn` (images through `RandomRotation`, `Conv2D`, `AveragePooling2D`
+    with uneven "same" padding, `BatchNormalization` and `MaxPooling2D`).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
     `pydataset`, `dataloader`, `dropout`, `custom` (the model's own
@@ -32,6 +34,7 @@ import keras
 
 BATCH_SIZE = 8
 SEQ, VOCAB, HIDDEN = 6, 16, 16
+IMAGE_SHAPE = (8, 8, 3)
 
 
 class Run:
@@ -94,9 +97,12 @@ def build_model(run):
         x = keras.layers.Dense(16, activation="relu", name="down")(x)
         outputs = keras.layers.Dense(4, name="head")(x)
         return model_class(inputs, outputs)
+    if run.model == "cnn":
+        inputs = keras.Input(IMAGE_SHAPE, name="images")
+        return model_class(inputs, convolutional_head(inputs), name="cnn")
     inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
     if run.model == "recurrent":
-        return model_class(inputs, recurrent_head(inputs))
+        return model_class(inputs, recurrent_head(inputs), name="recurrent")
     x = keras.layers.Embedding(VOCAB, HIDDEN, name="embed")(inputs)
     for i in range(2):
         x = transformer_block(x, f"block{i}")
@@ -123,6 +129,23 @@ def recurrent_head(tokens):
     return keras.layers.Dense(4, name="head")(x)
 
 
+def convolutional_head(images):
+    """Images through a random rotation, convolution and pooling layers.
+
+    `AveragePooling2D` with "same" padding pads its input unevenly with
+    `replicate` padding; the rotation fills with a tensor value.
+    """
+    x = keras.layers.RandomRotation(0.1, seed=3, name="rotate")(images)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(x)
+    x = keras.layers.AveragePooling2D(
+        3, strides=2, padding="same", name="avgpool"
+    )(x)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    x = keras.layers.MaxPooling2D(name="maxpool")(x)
+    x = keras.layers.Flatten(name="flatten")(x)
+    return keras.layers.Dense(4, name="head")(x)
+
+
 # Layouts under `mp` and `2d`, by model: Megatron-style column- then
 # row-parallel kernels.
 MODEL_LAYOUTS = {
@@ -145,6 +168,7 @@ MODEL_LAYOUTS = {
         ".*(lstm|gru)_cell/kernel": (None, "model"),
         ".*recurrent_kernel": ("model", None),
     },
+    "cnn": {"conv/kernel": (None, None, None, "model")},
 }
 
 
@@ -153,6 +177,8 @@ def make_data(run):
     n = run.num_samples
     if run.model == "mlp":
         x = rng.normal(size=(n, 12)).astype("float32")
+    elif run.model == "cnn":
+        x = rng.normal(size=(n,) + IMAGE_SHAPE).astype("float32")
     elif run.model == "recurrent":
         # Every other sequence ends in padding (token 0, masked).
         x = rng.integers(1, VOCAB, size=(n, SEQ)).astype("int32")
@@ -330,7 +356,13 @@ def train(run):
         model.predict(x_local, batch_size=batch_size(run), verbose=0),
     )
     # A direct call takes the global batch too (or, with `local`, this
-    # process's part of it).
+    # process's part of it). With `training=False` the call is
+    # `predict`'s. Without `training`, a random augmentation layer
+    # (`cnn`'s rotation) takes its default, `training=True`, which the
+    # layers after it inherit: `cnn`'s batch normalization updates its
+    # moving statistics, so that call comes last.
+    direct = model(x_local[: batch_size(run)], training=False)
+    run.record("direct_inference", keras.ops.convert_to_numpy(direct))
     direct = model(x_local[: batch_size(run)])
     run.record("direct_call", keras.ops.convert_to_numpy(direct))
     run.record("local_layers", local_layer_names(model))

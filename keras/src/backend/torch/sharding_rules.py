@@ -42,6 +42,19 @@ refuses.
   installed torch).
 - **`scatter_reduce`** (Keras's segment reductions, used by `AUC`): none
   in DTensor; it runs replicated on the small tensors it gets.
+- **Padding and pooling gradients on `(batch, channels, *spatial)`.**
+  DTensor has rules for the pooling ops but not for some of their
+  backward ops (average pooling in 2-D and 3-D, max pooling in 3-D,
+  adaptive average pooling in 3-D and adaptive max pooling), nor for
+  `replicate` and `reflect` padding (Keras pads pooling inputs with
+  `replicate` padding where `padding="same"` needs uneven padding, and
+  `ops.pad` takes `mode="reflect"` and `"edge"`) forward or backward.
+  These ops compute each batch element's channels alone: the rule keeps
+  the batch or the channels split, or everything replicated.
+- **`fill_` with a tensor value** (Keras's image transforms:
+  `RandomRotation`, `RandomZoom`, `RandomTranslation`): none in DTensor
+  for a tensor value; the filled tensor keeps any split or replication,
+  and the value (one number) is replicated.
 - **Unbinding a sharded dimension.** Torch's `unbind` rule refuses to
   split a tensor along a dimension it is sharded on ("Attempted to unbind
   along the sharded dimension"). Iterating over a tensor unbinds its
@@ -97,6 +110,8 @@ def register():
     )
     for op, rule in _cuda_attention_rules().items():
         register_sharding(op)(rule)
+    for op, rule in _missing_rules().items():
+        register_sharding(op)(rule)
     _register_view_fallbacks()
     _register_unbind_fallback()
 
@@ -118,6 +133,74 @@ def _cuda_attention_rules():
             _efficient_attention_backward_sharding
         ),
     }
+
+
+def _missing_rules():
+    """Rules of the ops below that this torch's DTensor has none for.
+
+    Spatial ops on `(batch, channels, *spatial)` tensors, by spatial
+    rank: padding (forward and backward) and the backward ops of pooling;
+    and `fill` with a tensor value. An op DTensor has a rule for keeps
+    it.
+    """
+    aten = torch.ops.aten
+    spatial = {
+        aten.avg_pool2d_backward.default: 2,
+        aten.avg_pool3d_backward.default: 3,
+        aten.max_pool3d_with_indices_backward.default: 3,
+        aten._adaptive_avg_pool3d_backward.default: 3,
+        aten.adaptive_max_pool2d_backward.default: 2,
+        aten.adaptive_max_pool3d_backward.default: 3,
+    }
+    for rank in (1, 2, 3):
+        for kind in ("replication", "reflection"):
+            spatial[getattr(aten, f"{kind}_pad{rank}d").default] = rank
+            backward = getattr(aten, f"{kind}_pad{rank}d_backward")
+            spatial[backward.default] = rank
+    rules = {op: _spatial_sharding(rank) for op, rank in spatial.items()}
+    rules[aten.fill_.Tensor] = _fill_sharding
+    rules[aten.fill.Tensor] = _fill_sharding
+    return {op: rule for op, rule in rules.items() if not _has_rule(op)}
+
+
+def _has_rule(op):
+    """Whether DTensor has a sharding rule for `op`."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return any(
+        op in table
+        for table in (
+            propagator.op_strategy_funcs,
+            propagator.op_to_rules,
+            getattr(propagator, "op_single_dim_strategy_funcs", {}),
+        )
+    )
+
+
+def _spatial_sharding(spatial_rank):
+    """The rule of an op that computes each batch element's channels
+    alone, on tensors laid out `(batch, channels, *spatial)` (or
+    `(channels, *spatial)` unbatched): every tensor, in and out, split
+    along the batch, or along the channels, or replicated."""
+
+    def rule(*args, **kwargs):
+        values = (*args, *kwargs.values())
+        tensors = [v for v in values if isinstance(v, DTensorSpec)]
+        placements = [Replicate(), Shard(0)]
+        if tensors[0].ndim >= spatial_rank + 2:
+            placements.append(Shard(1))
+        return [
+            ([p], [p if isinstance(v, DTensorSpec) else None for v in values])
+            for p in placements
+        ]
+
+    return rule
+
+
+def _fill_sharding(self, value):
+    """Rule of `fill` with a tensor value: the filled tensor keeps any
+    split or replication; the value, one number, is replicated."""
+    placements = [Replicate()] + [Shard(dim) for dim in range(self.ndim)]
+    return [([p], [p, Replicate()]) for p in placements]
 
 
 def _register_view_fallbacks():

@@ -8,6 +8,7 @@ checked by `benchmark_smoke_test.py` and the torch matrix
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
@@ -144,6 +145,106 @@ class ViewFallbackTest(testing.TestCase):
             torch.arange(24.0).reshape(4, 6), mesh.backend_mesh, [Replicate()]
         )
         self.assertEqual(y.view(6, 4).placements, (Replicate(),))
+
+
+def pooled(function):
+    """`function` of a `(batch, channels, *spatial)` tensor, summed with
+    position weights so that its gradient differs at each position."""
+
+    def loss(x):
+        y = function(x)
+        weights = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+        if isinstance(y, DTensor):
+            weights = distribute_tensor(weights, y.device_mesh, y.placements)
+        return (y * weights).sum()
+
+    return loss
+
+
+# Ops DTensor lacks rules for, by name: a loss of a `(batch, channels,
+# *spatial)` input that runs the op forward and its backward.
+SPATIAL_OPS = {
+    "avg_pool2d": ((2, 3, 6, 6), pooled(lambda x: F.avg_pool2d(x, 2))),
+    "avg_pool3d": ((2, 3, 4, 4, 4), pooled(lambda x: F.avg_pool3d(x, 2))),
+    "max_pool3d": ((2, 3, 4, 4, 4), pooled(lambda x: F.max_pool3d(x, 2))),
+    "adaptive_avg_pool3d": (
+        (2, 3, 4, 4, 4),
+        pooled(lambda x: F.adaptive_avg_pool3d(x, 2)),
+    ),
+    "adaptive_max_pool2d": (
+        (2, 3, 6, 6),
+        pooled(lambda x: F.adaptive_max_pool2d(x, 3)),
+    ),
+    "replicate_pad1d": (
+        (2, 3, 5),
+        pooled(lambda x: F.pad(x, (1, 2), mode="replicate")),
+    ),
+    "replicate_pad2d": (
+        (2, 3, 5, 5),
+        pooled(lambda x: F.pad(x, (0, 1, 0, 1), mode="replicate")),
+    ),
+    "replicate_pad3d": (
+        (2, 3, 3, 3, 3),
+        pooled(lambda x: F.pad(x, (1,) * 6, mode="replicate")),
+    ),
+    "reflect_pad2d": (
+        (2, 3, 5, 5),
+        pooled(lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect")),
+    ),
+    "reflect_pad3d": (
+        (2, 3, 3, 3, 3),
+        pooled(lambda x: F.pad(x, (1,) * 6, mode="reflect")),
+    ),
+}
+
+
+class MissingRulesTest(testing.TestCase):
+    """Padding and pooling gradients keep the batch or the channels split;
+    `fill_` with a tensor value keeps any split."""
+
+    def setUp(self):
+        super().setUp()
+        sharding_rules.register()
+        self.mesh = distribution_api.DeviceMesh(
+            (1,), ("batch",), ["cpu:0"]
+        ).backend_mesh
+
+    def check_spatial_op(self, name, placement):
+        shape, loss = SPATIAL_OPS[name]
+        value = np.random.default_rng(0).standard_normal(shape)
+        plain = torch.tensor(value, dtype=torch.float32, requires_grad=True)
+        expected = loss(plain)
+        expected.backward()
+        x = head_sharded(value.astype("float32"), self.mesh, [placement])
+        got = loss(x)
+        got.backward()
+        self.assertAllClose(got.full_tensor().item(), expected.item())
+        self.assertEqual(x.grad.placements, (placement,))
+        self.assertAllClose(x.grad.full_tensor().numpy(), plain.grad.numpy())
+
+    def test_spatial_ops_split_by_batch_channels_or_replicated(self):
+        for name in SPATIAL_OPS:
+            for placement in (Shard(0), Shard(1), Replicate()):
+                with self.subTest(op=name, placement=placement):
+                    self.check_spatial_op(name, placement)
+
+    def test_fill_with_a_tensor_keeps_the_split(self):
+        for placement in (Shard(0), Shard(1), Replicate()):
+            x = distribute_tensor(torch.zeros(4, 3), self.mesh, [placement])
+            value = distribute_tensor(
+                torch.tensor(2.5), self.mesh, [Replicate()]
+            )
+            x.fill_(value)
+            self.assertEqual(x.placements, (placement,))
+            self.assertAllClose(x.full_tensor().numpy(), np.full((4, 3), 2.5))
+
+    def test_rules_torch_has_are_kept(self):
+        propagator = sharding_rules.DTensor._op_dispatcher.sharding_propagator
+        self.assertEqual(sharding_rules._missing_rules(), {})
+        # Torch's own single-dimension rule for 2-D max pooling's backward.
+        op = torch.ops.aten.max_pool2d_with_indices_backward.default
+        self.assertIn(op, propagator.op_single_dim_strategy_funcs)
+        self.assertNotIn(op, propagator.op_strategy_funcs)
 
 
 class UnbindFallbackTest(testing.TestCase):
