@@ -65,7 +65,8 @@ DESCRIPTIONS = {
     "`SimpleRNN` and `GRU`, AdamW",
     "mp:recurrent:sgd": "ModelParallel (1, 2), masked `LSTM`, `SimpleRNN` "
     "and `GRU`, SGD",
-    "dp:cnn:adamw": "DataParallel, 2 processes, `RandomRotation`, `Conv2D`, "
+    "dp:cnn:adamw": "DataParallel, 2 processes, adapted `Normalization`, "
+    "`RandomRotation`, `Conv2D`, "
     '`AveragePooling2D` (uneven "same" padding), `BatchNormalization`, '
     "`MaxPooling2D`, AdamW",
 }
@@ -189,10 +190,11 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
     model, stay on DTensors: Keras's generic RNN loop unbinds the batch
     dimension of its first step's output, which gathers it
     (`sharding_rules`), a collective. Every layer of the convolutional
-    model runs locally at least once: in `evaluate` and `predict` the
+    model runs locally at least once (in `evaluate` and `predict` the
     rotation draws nothing and the batch normalization reads its moving
-    statistics. The verdicts are the same on every rank. Without a
-    distribution nothing is judged.
+    statistics), but the adapted normalization, which holds its
+    statistics as DTensors, and so the model. The verdicts are the same
+    on every rank. Without a distribution nothing is judged.
     """
     references, reports = launches
     for nprocs, runs in RUNS.items():
@@ -225,7 +227,6 @@ MODEL_LOCAL_NAMES = {
     "dp:recurrent:adamw": ("gru_cell", "head", "lstm_cell", "simple_rnn_cell"),
     "dp:cnn:adamw": (
         "avgpool",
-        "cnn",
         "conv",
         "flatten",
         "head",

@@ -8,8 +8,9 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
   MODEL: `mlp`, `transformer`, `recurrent` (masked tokens through
     `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop) or
-    `cnn` (images through `RandomRotation`, `Conv2D`, `AveragePooling2D`
-    with uneven "same" padding, `BatchNormalization` and `MaxPooling2D`).
+    `cnn` (images through an adapted `Normalization`, `RandomRotation`,
+    `Conv2D`, `AveragePooling2D` with uneven "same" padding,
+    `BatchNormalization` and `MaxPooling2D`).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
     `pydataset`, `dataloader`, `dropout`, `custom` (the model's own
@@ -99,7 +100,10 @@ def build_model(run):
         return model_class(inputs, outputs)
     if run.model == "cnn":
         inputs = keras.Input(IMAGE_SHAPE, name="images")
-        return model_class(inputs, convolutional_head(inputs), name="cnn")
+        normalization = keras.layers.Normalization(name="normalize")
+        normalization.adapt(make_data(run)[0])
+        outputs = convolutional_head(normalization(inputs))
+        return model_class(inputs, outputs, name="cnn")
     inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
     if run.model == "recurrent":
         return model_class(inputs, recurrent_head(inputs), name="recurrent")

@@ -26,7 +26,8 @@ with that signature on, the layer runs locally if the watched call:
 - issued no collective (the sequence numbers of the mesh's process
   groups did not move);
 - holds only DTensor variables that are replicated, or sharded only
-  over mesh axes that split the batch, and assigned no variable (no
+  over mesh axes that split the batch, and no DTensor attribute of its
+  own (`Normalization`'s statistics), and assigned no variable (no
   assignment to a DTensor variable, and its own variables' version
   counters did not move), drew no random values (the
   default generators' states did not move, and the step's torch function
@@ -405,6 +406,7 @@ class _Snapshot:
         self.effects = _effect_count()
         self.variables = _variable_versions(layer, placements)
         self.losses = _loss_count(layer)
+        self.holds_dtensors = _holds_dtensor_attributes(layer)
 
     def _sequence_numbers(self):
         return _sequence_numbers(self.groups)
@@ -418,7 +420,11 @@ class _Snapshot:
                 sharded variables for the call (`_GatheredVariables`), the
                 only ones it may have issued.
         """
-        if self.variables is None or _remat_anywhere(layer):
+        if (
+            self.variables is None
+            or self.holds_dtensors
+            or _remat_anywhere(layer)
+        ):
             return False
         expected = [
             number + gathers[dim] for dim, number in enumerate(self.sequence)
@@ -454,6 +460,21 @@ def _variable_versions(layer, placements):
             return None
         versions.append((value, value._local_tensor._version))
     return versions
+
+
+def _holds_dtensor_attributes(owner):
+    """Whether a layer (or a loss), or one of its sublayers, holds a
+    DTensor as an attribute of its own (not a variable's value).
+
+    A local call reads variables through local views, but such a tensor
+    as it is: a DTensor among local tensors. `Normalization` holds its
+    statistics so, computed from its variables when it is adapted.
+    """
+    return any(
+        isinstance(value, DTensor)
+        for layer in (owner,) + _sublayers(owner)
+        for value in vars(layer).values()
+    )
 
 
 def _readable_locally(value, placements):

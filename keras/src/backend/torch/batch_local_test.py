@@ -132,6 +132,26 @@ class BatchLocalTest(testing.TestCase):
         self.call_in_step(counting, self.batch((4, 5)))
         self.assertEqual(self.verdicts(counting), [None])
 
+    def test_dtensor_attributes_keep_dtensors(self):
+        # An adapted `Normalization` holds its statistics as DTensors,
+        # computed from its variables; so does a model holding it.
+        values = np.random.default_rng(1).normal(size=(16, 5)) * 3 + 1
+        normalization = layers.Normalization()
+        normalization.adapt(values.astype("float32"))
+        self.assertIsInstance(normalization.mean, DTensor)
+        model = models.Sequential([normalization, layers.Dense(3)])
+        model.build((None, 5))
+        x = self.batch((4, 5))
+        first = self.call_in_step(model, x)
+        self.assertEqual(self.verdicts(normalization), [None])
+        self.assertEqual(self.verdicts(model), [None])
+        second = self.call_in_step(model, x)
+        self.assertIsInstance(second, DTensor)
+        self.assertAllClose(
+            second.full_tensor().detach().numpy(),
+            first.full_tensor().detach().numpy(),
+        )
+
     def test_state_updates_keep_dtensors(self):
         norm = layers.BatchNormalization()
         norm.build((None, 5))
