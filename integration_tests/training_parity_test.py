@@ -33,6 +33,7 @@ RUNS = {
         "dp:recurrent:adamw",
         "mp:recurrent:sgd",
         "dp:cnn:adamw",
+        "mp:cnn:sgd",
     ],
     4: ["2d:transformer:sgd"],
 }
@@ -69,6 +70,8 @@ DESCRIPTIONS = {
     "`RandomRotation`, `Conv2D`, "
     '`AveragePooling2D` (uneven "same" padding), `BatchNormalization`, '
     "`MaxPooling2D`, AdamW",
+    "mp:cnn:sgd": "ModelParallel (1, 2), the same convolutional model, its "
+    "`Conv2D` kernel split over output channels, SGD",
 }
 # How far the distributed attention key bias under AdamW may be from the
 # reference, in units of the most one process shows between other
@@ -240,8 +243,9 @@ MODEL_LOCAL_NAMES = {
 # The fewest sharded variables created shard by shard, by model: the
 # transformer's embedding, attention and MLP kernels; the recurrent model's
 # embedding and its `LSTM` and `GRU` kernels (their recurrent kernels are
-# orthogonal, which is drawn whole and then sharded).
-SHARDED_ALONE = {"transformer": 9, "recurrent": 3}
+# orthogonal, which is drawn whole and then sharded); the convolutional
+# model's kernel.
+SHARDED_ALONE = {"transformer": 9, "recurrent": 3, "cnn": 1}
 
 
 def test_sharded_variables_are_created_shard_by_shard(launches):

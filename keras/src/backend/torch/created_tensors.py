@@ -9,8 +9,8 @@ limitations a Keras step meets: each torch function with a handler in
 limitation it works around and why `implicit_replication` is not enough.
 
 Collectives here: a random draw on a CPU mesh gathers its DTensor
-arguments, and the embedding, attention and lookup handlers redistribute
-DTensors; all run inside the step, on every process alike.
+arguments, and the embedding, attention, lookup and convolution handlers
+redistribute DTensors; all run inside the step, on every process alike.
 """
 
 import contextlib
@@ -349,6 +349,62 @@ def _attention(mode, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _convolution(mode, func, args, kwargs):
+    """Convolutions with the weight and bias whole, and the input split
+    along the batch at most.
+
+    Torch 2.13's DTensor convolution runs on the local shards of its
+    arguments without redistributing them, and lays the result out like
+    the input: with a weight split over a mesh axis (a kernel's output
+    channels laid out over "model"), the result's local tensor holds only
+    some channels under the global shape of all of them, and the next
+    operator fails ("The size of tensor a (4) must match the size of
+    tensor b (8)"); an input split along its channels would be taken for
+    whole. The weight and bias are gathered (replicated) first, and the
+    input on every mesh axis that does not split its batch dimension.
+    Their gradients go back to the shards through DTensor's
+    redistribution. No plain tensor is involved, so
+    `implicit_replication` does not apply.
+    """
+    args = list(args)
+    if args:
+        args[0] = _split_along_the_batch_at_most(args[0])
+    elif "input" in kwargs:
+        kwargs = dict(
+            kwargs, input=_split_along_the_batch_at_most(kwargs["input"])
+        )
+    for index, name in ((1, "weight"), (2, "bias")):
+        if len(args) > index:
+            args[index] = _replicated(args[index])
+        elif name in kwargs:
+            kwargs = dict(kwargs, **{name: _replicated(kwargs[name])})
+    return func(*args, **kwargs)
+
+
+def _split_along_the_batch_at_most(value):
+    """`value`, replicated on the mesh axes that do not split dimension 0."""
+    if not isinstance(value, DTensor):
+        return value
+    placements = [
+        p if p.is_replicate() or p.is_shard(0) else Replicate()
+        for p in value.placements
+    ]
+    if placements == list(value.placements):
+        return value
+    return value.redistribute(value.device_mesh, placements)
+
+
+def _replicated(value):
+    """`value`, replicated on every mesh axis."""
+    if not isinstance(value, DTensor) or all(
+        p.is_replicate() for p in value.placements
+    ):
+        return value
+    return value.redistribute(
+        value.device_mesh, [Replicate()] * value.device_mesh.ndim
+    )
+
+
 def _repeats_as_int(args, kwargs):
     """Passes a one-element `repeats` tensor of `repeat_interleave` as int.
 
@@ -485,6 +541,15 @@ _RANDOM_FUNCTIONS = (
     torch.randint_like,
     torch.randn_like,
 )
+# Convolutions, whose DTensor rule ignores the weight's placements.
+_CONVOLUTIONS = (
+    torch.conv1d,
+    torch.conv2d,
+    torch.conv3d,
+    torch.conv_transpose1d,
+    torch.conv_transpose2d,
+    torch.conv_transpose3d,
+)
 # Torch function -> handler(mode, func, args, kwargs), which returns the
 # function's result; other functions are called as they are.
 _HANDLERS = {
@@ -496,4 +561,5 @@ _HANDLERS = {
     torch.Tensor.repeat_interleave: _repeat_interleave,
     torch.nn.functional.embedding: _embedding,
     torch.nn.functional.scaled_dot_product_attention: _attention,
+    **{func: _convolution for func in _CONVOLUTIONS},
 }

@@ -5,6 +5,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
 
 from keras.src import testing
 from keras.src.backend.torch import created_tensors
@@ -151,4 +152,85 @@ class CompiledModeTest(OneProcessMeshTestCase):
             self.assertAllClose(
                 result.full_tensor().numpy(),
                 torch.arange(20.0).reshape(5, 4)[ids.to_local()].numpy(),
+            )
+
+
+class ConvolutionTest(testing.TestCase):
+    """Convolutions take their weight and bias whole, and their input
+    split along the batch at most."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        mesh = self.mesh.backend_mesh
+        rng = np.random.default_rng(0)
+        self.x = torch.as_tensor(
+            rng.normal(size=(2, 4, 6, 6)), dtype=torch.float32
+        )
+        self.w = torch.as_tensor(
+            rng.normal(size=(8, 4, 3, 3)), dtype=torch.float32
+        )
+        self.b = torch.as_tensor(rng.normal(size=(8,)), dtype=torch.float32)
+        # Input split along its batch and channels, weight and bias along
+        # their output channels (on one-process axes, where the local
+        # shards are whole, so the values can be compared).
+        self.inputs = (
+            distribute_tensor(self.x, mesh, [Shard(0), Shard(1)]),
+            distribute_tensor(self.w, mesh, [Replicate(), Shard(0)]),
+            distribute_tensor(self.b, mesh, [Replicate(), Shard(0)]),
+        )
+
+    def test_arguments_are_laid_out_before_the_convolution(self):
+        seen = []
+
+        def convolution(x, weight, bias=None, **kwargs):
+            seen.append((x.placements, weight.placements, bias.placements))
+            return torch.conv2d(x, weight, bias, **kwargs)
+
+        handler = created_tensors._HANDLERS[torch.conv2d]
+        with created_tensors.replicate_created_tensors(self.mesh):
+            mode = created_tensors.current_mode()
+            out = handler(mode, convolution, self.inputs, {"padding": 1})
+            by_keywords = handler(
+                mode,
+                convolution,
+                self.inputs[:1],
+                {"weight": self.inputs[1], "bias": self.inputs[2]},
+            )
+        batch_only = (Shard(0), Replicate())
+        whole = (Replicate(), Replicate())
+        self.assertEqual(seen, [(batch_only, whole, whole)] * 2)
+        self.assertEqual(out.placements, batch_only)
+        self.assertAllClose(
+            out.full_tensor().numpy(),
+            torch.conv2d(self.x, self.w, self.b, padding=1).numpy(),
+            atol=1e-5,
+        )
+        self.assertEqual(tuple(by_keywords.shape), (2, 8, 4, 4))
+
+    def test_every_convolution_has_the_handler(self):
+        for func in (
+            torch.nn.functional.conv1d,
+            torch.nn.functional.conv2d,
+            torch.nn.functional.conv3d,
+            torch.nn.functional.conv_transpose1d,
+            torch.nn.functional.conv_transpose2d,
+            torch.nn.functional.conv_transpose3d,
+        ):
+            self.assertIs(
+                created_tensors._HANDLERS[func], created_tensors._convolution
+            )
+
+    def test_gradients_go_back_to_the_shards(self):
+        x, w, b = (t.detach().requires_grad_() for t in self.inputs)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            out = torch.nn.functional.conv2d(x, w, b, padding=1)
+        (out.full_tensor() ** 2).sum().backward()
+        plain = [t.clone().requires_grad_() for t in (self.x, self.w, self.b)]
+        (torch.conv2d(*plain, padding=1) ** 2).sum().backward()
+        for got, expected in zip((x, w, b), plain):
+            self.assertAllClose(
+                got.grad.full_tensor().numpy(), expected.grad.numpy(), atol=1e-4
             )
