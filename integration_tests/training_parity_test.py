@@ -67,7 +67,7 @@ DESCRIPTIONS = {
     "mp:recurrent:sgd": "ModelParallel (1, 2), masked `LSTM`, `SimpleRNN` "
     "and `GRU`, SGD",
     "dp:cnn:adamw": "DataParallel, 2 processes, adapted `Normalization`, "
-    "`RandomRotation`, `Conv2D`, "
+    "`Conv2D` plus a `RandomRotation` branch, "
     '`AveragePooling2D` (uneven "same" padding), `BatchNormalization`, '
     "`MaxPooling2D`, AdamW",
     "mp:cnn:sgd": "ModelParallel (1, 2), the same convolutional model, its "
@@ -229,8 +229,10 @@ LAYER_NAMES = ("up", "down", "head")
 MODEL_LOCAL_NAMES = {
     "dp:recurrent:adamw": ("gru_cell", "head", "lstm_cell", "simple_rnn_cell"),
     "dp:cnn:adamw": (
+        "add",
         "avgpool",
         "conv",
+        "conv_rotated",
         "flatten",
         "head",
         "maxpool",

@@ -134,13 +134,25 @@ def recurrent_head(tokens):
 
 
 def convolutional_head(images):
-    """Images through a random rotation, convolution and pooling layers.
+    """Images through convolution and pooling layers, with a randomly
+    rotated copy added.
 
     `AveragePooling2D` with "same" padding pads its input unevenly with
-    `replicate` padding; the rotation fills with a tensor value.
+    `replicate` padding; the rotation fills with a tensor value. The
+    rotation returns the batch replicated (Keras's torch affine transform
+    loops over the images), so it sits on a branch: the sum with the
+    convolution of the images keeps the batch split.
     """
-    x = keras.layers.RandomRotation(0.1, seed=3, name="rotate")(images)
-    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(x)
+    rotated = keras.layers.RandomRotation(0.1, seed=3, name="rotate")(images)
+    # No biases before the batch normalization, which cancels them: their
+    # gradients would be rounding noise, which AdamW scales up.
+    rotated = keras.layers.Conv2D(8, 1, use_bias=False, name="conv_rotated")(
+        rotated
+    )
+    x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv")(
+        images
+    )
+    x = keras.layers.Add(name="add")([x, rotated])
     x = keras.layers.AveragePooling2D(
         3, strides=2, padding="same", name="avgpool"
     )(x)
