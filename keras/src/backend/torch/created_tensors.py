@@ -381,6 +381,27 @@ def _convolution(mode, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _contiguous(mode, func, args, kwargs):
+    """`Tensor.contiguous` of a DTensor in the standard memory format.
+
+    DTensor computes a result's strides from its global shape and its
+    inputs' global strides, while a redistribution (a partial sum
+    reduced, a shard gathered) gives a local tensor in the standard
+    format. A DTensor laid out `channels_last` (keras-nightly's pooling
+    asks for it) whose input an operator redistributes gets a local
+    tensor with other strides than its own, and a later `reshape` views
+    it wrongly ("view size is not compatible with input tensor's size
+    and stride"). In the standard format the two agree; the values are
+    the same. No plain tensor is involved, so `implicit_replication`
+    does not apply.
+    """
+    if args and isinstance(args[0], DTensor):
+        kwargs = dict(kwargs)
+        kwargs.pop("memory_format", None)
+        args = args[:1]
+    return func(*args, **kwargs)
+
+
 def _split_along_the_batch_at_most(value):
     """`value`, replicated on the mesh axes that do not split dimension 0."""
     if not isinstance(value, DTensor):
@@ -562,4 +583,5 @@ _HANDLERS = {
     torch.nn.functional.embedding: _embedding,
     torch.nn.functional.scaled_dot_product_attention: _attention,
     **{func: _convolution for func in _CONVOLUTIONS},
+    torch.Tensor.contiguous: _contiguous,
 }

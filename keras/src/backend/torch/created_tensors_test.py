@@ -234,3 +234,25 @@ class ConvolutionTest(testing.TestCase):
             self.assertAllClose(
                 got.grad.full_tensor().numpy(), expected.grad.numpy(), atol=1e-4
             )
+
+
+class ContiguousTest(testing.TestCase):
+    """`contiguous` keeps DTensors in the standard memory format."""
+
+    def test_dtensors_take_the_standard_format_plain_tensors_any(self):
+        mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        images = torch.arange(2 * 3 * 4 * 4.0).reshape(2, 4, 4, 3)
+        value = distribute_tensor(images, mesh.backend_mesh, [Shard(0)])
+        with created_tensors.replicate_created_tensors(mesh):
+            nchw = value.permute(0, 3, 1, 2)
+            standard = nchw.contiguous(memory_format=torch.channels_last)
+            plain = images.permute(0, 3, 1, 2).contiguous(
+                memory_format=torch.channels_last
+            )
+        self.assertTrue(standard.is_contiguous())
+        self.assertTrue(standard.to_local().is_contiguous())
+        self.assertEqual(standard.stride(), standard.to_local().stride())
+        self.assertAllClose(standard.full_tensor().numpy(), nchw.full_tensor())
+        # Plain tensors (local calls) keep the format they ask for.
+        self.assertTrue(plain.is_contiguous(memory_format=torch.channels_last))
+        self.assertFalse(plain.is_contiguous())

@@ -24,6 +24,16 @@ refuses.
   reshape sharded dimension"), e.g. `Dense(1)`'s column-sharded output
   viewed as `[1, -1]` by a metric. The view takes the `reshape` rule,
   whose redistribution on a size-1 axis moves nothing.
+- **Unflattening a `_StridedShard` whose split does not fit.** Torch
+  2.13's `view` rule refuses to split a dimension laid out as a
+  `_StridedShard` (what flattening a sharded inner dimension gives) into
+  dimensions its split factor does not match ("Cannot unflatten tensor
+  with _StridedShard placement"): keras-nightly's `GRU` flattens its
+  time and batch dimensions for one matmul with a column-sharded kernel,
+  then splits them again. There the view rule is torch's own, applied
+  to the input with its `_StridedShard` placements replicated (torch's
+  `reshape` rule gets the local shape of that case wrong: "shape '[0, 8,
+  48]' is invalid"); DTensor gathers the input first.
 - **CPU flash attention.** DTensor has rules for the CUDA attention
   kernels but not for the one `scaled_dot_product_attention` uses on CPU
   (forward and backward): replicated, split by batch or split by head.
@@ -79,6 +89,7 @@ from torch.distributed.tensor._op_schema import OpSpec
 from torch.distributed.tensor._op_schema import OpStrategy
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # View ops whose rule refuses to flatten or reshape a sharded dimension.
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -86,6 +97,10 @@ _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _VIEW_REFUSALS = (
     "Attempted to flatten multiple dimensions",
     "would remove or reshape sharded dimension",
+)
+# What torch's `view` rule says where it cannot split a `_StridedShard`.
+_STRIDED_UNFLATTEN_REFUSAL = (
+    "Cannot unflatten tensor with _StridedShard placement"
 )
 # What torch's `unbind` rule says where the unbound dimension is sharded.
 _UNBIND_REFUSAL = "Attempted to unbind along the sharded dimension"
@@ -229,12 +244,29 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
         try:
             return view_rule(op_schema)
         except RuntimeError as error:
-            if not any(refusal in str(error) for refusal in _VIEW_REFUSALS):
+            message = str(error)
+            if _STRIDED_UNFLATTEN_REFUSAL in message:
+                return _with_input_costs(
+                    view_rule(
+                        _first_input_relaid(op_schema, _strided_replicated)
+                    ),
+                    op_schema.args_schema[0],
+                )
+            if not any(refusal in message for refusal in _VIEW_REFUSALS):
                 raise
         return reshape_rule(op_schema)
 
     rule.keras_reshape_fallback = True
     return rule
+
+
+def _strided_replicated(spec):
+    """`spec` with its `_StridedShard` placements replicated."""
+    placements = tuple(
+        Replicate() if isinstance(p, _StridedShard) else p
+        for p in spec.placements
+    )
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
 def _register_unbind_fallback():
@@ -269,30 +301,34 @@ def unbind_with_gather_fallback(unbind_rule):
         except RuntimeError as error:
             if _UNBIND_REFUSAL not in str(error):
                 raise
+        input_strategy = op_schema.args_schema[0]
+        dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
+        dim = dim % input_strategy.ndim
         return _with_input_costs(
-            unbind_rule(_unbound_dimension_gathered(op_schema)),
-            op_schema.args_schema[0],
+            unbind_rule(
+                _first_input_relaid(
+                    op_schema, lambda spec: _gathered_spec(spec, dim)
+                )
+            ),
+            input_strategy,
         )
 
     rule.keras_gather_fallback = True
     return rule
 
 
-def _unbound_dimension_gathered(op_schema):
-    """`op_schema` of `unbind`, its input's strategies replicated along
-    the unbound dimension."""
-    input_strategy = op_schema.args_schema[0]
-    dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
-    dim = dim % input_strategy.ndim
-    gathered = OpStrategy(
+def _first_input_relaid(op_schema, relay):
+    """`op_schema`, each strategy of its first argument laid out by
+    `relay` (a function of a `DTensorSpec`)."""
+    relaid = OpStrategy(
         [
-            OpSpec(_gathered_spec(strategy.output_spec, dim))
-            for strategy in input_strategy.strategies
+            OpSpec(relay(strategy.output_spec))
+            for strategy in op_schema.args_schema[0].strategies
         ]
     )
     return OpSchema(
         op_schema.op,
-        (gathered,) + tuple(op_schema.args_schema[1:]),
+        (relaid,) + tuple(op_schema.args_schema[1:]),
         op_schema.kwargs_schema,
         schema_info=op_schema.schema_info,
     )

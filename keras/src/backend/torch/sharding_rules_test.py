@@ -17,6 +17,9 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSpec
+from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import ops
 from keras.src import testing
@@ -92,6 +95,45 @@ class ViewFallbackTest(testing.TestCase):
             lambda op_schema: ("reshape", op_schema),
         )
         self.assertEqual(rule("schema"), ("reshape", "schema"))
+
+    def test_refusal_to_unflatten_a_strided_shard_gathers_it(self):
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        ).backend_mesh
+        meta = TensorMeta(torch.Size([48, 16]), (16, 1), torch.float32)
+        strided = DTensorSpec(
+            mesh,
+            (_StridedShard(0, split_factor=6), Shard(1)),
+            tensor_meta=meta,
+        )
+        schema = OpSchema(
+            torch.ops.aten.view.default,
+            (OpStrategy([OpSpec(strided)]), [6, 8, 16]),
+            {},
+        )
+        seen = []
+
+        def view_rule(op_schema):
+            (spec,) = [
+                s.output_spec for s in op_schema.args_schema[0].strategies
+            ]
+            if spec.placements[0] != Replicate():
+                raise RuntimeError(
+                    "Cannot unflatten tensor with _StridedShard placement: "
+                    "split_factor=6 does not match any output dimension."
+                )
+            seen.append(spec.placements)
+            return OpStrategy([OpSpec(output_specs=spec, input_specs=(spec,))])
+
+        rule = sharding_rules.view_with_reshape_fallback(
+            view_rule, lambda op_schema: ("reshape", op_schema)
+        )
+        strategy = rule(schema)
+        # The strided shard is replicated, the other placement kept, and
+        # the cost of gathering it priced.
+        self.assertEqual(seen, [(Replicate(), Shard(1))])
+        (op_spec,) = strategy.strategies
+        self.assertEqual(len(op_spec.redistribute_cost), 1)
 
     def test_other_refusals_are_raised(self):
         rule = sharding_rules.view_with_reshape_fallback(
