@@ -497,12 +497,15 @@ def _align_attention_mask(args, kwargs):
 
 
 def _created_from_python_values(value, args, kwargs):
-    """Whether `value` is a plain tensor made from no tensor.
+    """Whether `value` is a plain tensor made from Python values alone.
 
     Scalars count too: DTensor would take a 0-d tensor for a replicated
     scalar where it meets a DTensor, but not the tensors derived from it
     alone (`broadcast_to(1, shape)`, as metrics do for a missing sample
-    weight), which are as identical on every process.
+    weight), which are as identical on every process. So does a 0-d
+    DTensor argument, a number whose value DTensor gives every process
+    alike (`ops.size(x)` passed to `ops.eye`, as Keras's pairwise losses
+    do).
     """
     if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
         return False
@@ -513,13 +516,16 @@ def _created_from_python_values(value, args, kwargs):
 
 
 def _holds_tensor(value):
-    """Whether `value` or the lists, tuples and dicts in it hold a tensor.
+    """Whether `value` or the lists, tuples and dicts in it hold a tensor
+    other than a 0-d DTensor.
 
     A factory's arguments are flat, so this recursion is shallower than
     `tree.flatten`, and cheaper in the step's hot path.
     """
     if isinstance(value, torch.Tensor):
-        return True
+        return not (
+            type(value) is DTensor and not value._spec.tensor_meta.shape
+        )
     if isinstance(value, dict):
         value = value.values()
     elif not isinstance(value, (list, tuple)):

@@ -41,6 +41,21 @@ class ReplicateCreatedTensorsTest(OneProcessMeshTestCase):
         # Meta tensors (shape inference) hold no values and stay plain.
         self.assertNotIsInstance(meta, DTensor)
 
+    def test_zero_d_dtensor_arguments_count_as_python_values(self):
+        # As Keras's pairwise losses build a mask: `ops.eye(ops.size(x))`.
+        plain_size = torch.tensor(3)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            size = torch.prod(torch.as_tensor((3,)))
+            eye = torch.eye(size, size, dtype=torch.bool)
+            from_plain = torch.eye(plain_size, plain_size)
+        self.assertIsInstance(size, DTensor)
+        self.assertIsInstance(eye, DTensor)
+        self.assertEqual(tuple(eye.placements), (Replicate(),))
+        self.assertAllClose(eye.to_local().numpy(), np.eye(3, dtype=bool))
+        # A plain tensor may hold a process's own value: the result stays
+        # plain.
+        self.assertNotIsInstance(from_plain, DTensor)
+
     def test_tensors_from_tensors_stay_plain(self):
         plain = torch.ones(3)
         with created_tensors.replicate_created_tensors(self.mesh):
