@@ -247,9 +247,7 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
             message = str(error)
             if _STRIDED_UNFLATTEN_REFUSAL in message:
                 return _with_input_costs(
-                    view_rule(
-                        _first_input_relaid(op_schema, _strided_replicated)
-                    ),
+                    view_rule(_first_input_replicated(op_schema, _is_strided)),
                     op_schema.args_schema[0],
                 )
             if not any(refusal in message for refusal in _VIEW_REFUSALS):
@@ -260,13 +258,8 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
     return rule
 
 
-def _strided_replicated(spec):
-    """`spec` with its `_StridedShard` placements replicated."""
-    placements = tuple(
-        Replicate() if isinstance(p, _StridedShard) else p
-        for p in spec.placements
-    )
-    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+def _is_strided(placement):
+    return isinstance(placement, _StridedShard)
 
 
 def _register_unbind_fallback():
@@ -306,8 +299,8 @@ def unbind_with_gather_fallback(unbind_rule):
         dim = dim % input_strategy.ndim
         return _with_input_costs(
             unbind_rule(
-                _first_input_relaid(
-                    op_schema, lambda spec: _gathered_spec(spec, dim)
+                _first_input_replicated(
+                    op_schema, lambda p: isinstance(p, Shard) and p.dim == dim
                 )
             ),
             input_strategy,
@@ -317,13 +310,23 @@ def unbind_with_gather_fallback(unbind_rule):
     return rule
 
 
-def _first_input_relaid(op_schema, relay):
-    """`op_schema`, each strategy of its first argument laid out by
-    `relay` (a function of a `DTensorSpec`)."""
+def _first_input_replicated(op_schema, gathered):
+    """`op_schema`, each strategy of its first argument with the
+    placements `gathered` picks (a predicate) replaced by `Replicate`."""
+    specs = [s.output_spec for s in op_schema.args_schema[0].strategies]
     relaid = OpStrategy(
         [
-            OpSpec(relay(strategy.output_spec))
-            for strategy in op_schema.args_schema[0].strategies
+            OpSpec(
+                DTensorSpec(
+                    spec.mesh,
+                    tuple(
+                        Replicate() if gathered(p) else p
+                        for p in spec.placements
+                    ),
+                    tensor_meta=spec.tensor_meta,
+                )
+            )
+            for spec in specs
         ]
     )
     return OpSchema(
@@ -332,15 +335,6 @@ def _first_input_relaid(op_schema, relay):
         op_schema.kwargs_schema,
         schema_info=op_schema.schema_info,
     )
-
-
-def _gathered_spec(spec, dim):
-    """`spec` with its shards of tensor dimension `dim` replicated."""
-    placements = tuple(
-        Replicate() if isinstance(p, Shard) and p.dim == dim else p
-        for p in spec.placements
-    )
-    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
 def _with_input_costs(strategy, input_strategy):
