@@ -35,7 +35,7 @@ RUNS = {
         "dp:cnn:adamw",
         "mp:cnn:sgd",
     ],
-    4: ["2d:transformer:sgd"],
+    4: ["2d:transformer:sgd:uneven"],
 }
 SHUFFLED = "dp:mlp:sgd:shuffle"
 # The reference of `mp:transformer:adamw` trained again with the rows of
@@ -61,7 +61,8 @@ DESCRIPTIONS = {
     "batch)",
     "mp:transformer:sgd": "ModelParallel (1, 2), 2-block transformer, SGD",
     "mp:transformer:adamw": "ModelParallel (1, 2), 2-block transformer, AdamW",
-    "2d:transformer:sgd": "2-D (2, 2), 4 processes, 2-block transformer, SGD",
+    "2d:transformer:sgd:uneven": "2-D (2, 2), 4 processes, 2-block "
+    "transformer, SGD, an uneven last batch",
     "dp:recurrent:adamw": "DataParallel, 2 processes, masked `LSTM`, "
     "`SimpleRNN` and `GRU`, AdamW",
     "mp:recurrent:sgd": "ModelParallel (1, 2), masked `LSTM`, `SimpleRNN` "

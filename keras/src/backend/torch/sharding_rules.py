@@ -24,6 +24,14 @@ refuses.
   reshape sharded dimension"), e.g. `Dense(1)`'s column-sharded output
   viewed as `[1, -1]` by a metric. The view takes the `reshape` rule,
   whose redistribution on a size-1 axis moves nothing.
+- **Reshaping a dimension split unevenly.** A global batch that does
+  not divide by the processes that split it (a last batch of 35 rows on
+  4 processes) is split unevenly, as `torch.chunk` splits it. Torch's
+  `view` rule refuses to flatten or unflatten such a dimension ("Cannot
+  flatten unevenly sharded tensor"), e.g. `Dense` on `(batch, time,
+  features)` folds batch and time into one for its matmul. The view
+  takes the `reshape` rule, which gathers the dimension first: exact,
+  and an all-gather in the steps whose batch does not divide.
 - **Unflattening a `_StridedShard` whose split does not fit.** Torch
   2.13's `view` rule refuses to split a dimension laid out as a
   `_StridedShard` (what flattening a sharded inner dimension gives) into
@@ -97,6 +105,8 @@ _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _VIEW_REFUSALS = (
     "Attempted to flatten multiple dimensions",
     "would remove or reshape sharded dimension",
+    "Cannot flatten unevenly sharded tensor",
+    "Cannot unflatten unevenly sharded tensor",
 )
 # What torch's `view` rule says where it cannot split a `_StridedShard`.
 _STRIDED_UNFLATTEN_REFUSAL = (

@@ -96,6 +96,22 @@ class ViewFallbackTest(testing.TestCase):
         )
         self.assertEqual(rule("schema"), ("reshape", "schema"))
 
+    def test_refusals_of_uneven_splits_take_the_reshape_rule(self):
+        """A batch that does not divide by the processes (a last batch)
+        is split unevenly; `view` refuses to flatten or unflatten it, and
+        `reshape`'s rule gathers it first."""
+        for message in (
+            "Cannot flatten unevenly sharded tensor: dimension 0 (size 9) "
+            "is not evenly divisible by mesh dimension 0 (size 2).",
+            "Cannot unflatten unevenly sharded tensor: output dimension 0 "
+            "(size 3) is not evenly divisible by mesh dimension 0 (size 2).",
+        ):
+            rule = sharding_rules.view_with_reshape_fallback(
+                self.rule_raising(message),
+                lambda op_schema: ("reshape", op_schema),
+            )
+            self.assertEqual(rule("schema"), ("reshape", "schema"))
+
     def test_refusal_to_unflatten_a_strided_shard_gathers_it(self):
         mesh = distribution_api.DeviceMesh(
             (1, 1), ("batch", "model"), ["cpu:0"]
