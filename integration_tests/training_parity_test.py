@@ -34,6 +34,8 @@ RUNS = {
         "mp:recurrent:sgd",
         "dp:cnn:adamw",
         "mp:cnn:sgd",
+        "dp:audio:adamw",
+        "mp:audio:sgd",
     ],
     4: ["2d:transformer:sgd:uneven"],
 }
@@ -61,6 +63,10 @@ DESCRIPTIONS = {
     "batch)",
     "mp:transformer:sgd": "ModelParallel (1, 2), 2-block transformer, SGD",
     "mp:transformer:adamw": "ModelParallel (1, 2), 2-block transformer, AdamW",
+    "dp:audio:adamw": "DataParallel, 2 processes, a dense layer, then "
+    "`MelSpectrogram` and `ops.extract_sequences`, AdamW",
+    "mp:audio:sgd": "ModelParallel (1, 2), the same audio model, its dense "
+    "kernels split over columns, SGD",
     "2d:transformer:sgd:uneven": "2-D (2, 2), 4 processes, 2-block "
     "transformer, SGD, an uneven last batch",
     "dp:recurrent:adamw": "DataParallel, 2 processes, masked `LSTM`, "
@@ -198,7 +204,9 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
     the convolutional model runs locally at least once (in `evaluate`
     and `predict` the rotation draws nothing and the batch normalization
     reads its moving statistics), but the adapted normalization, which
-    holds its statistics as DTensors, and so the model. The verdicts are
+    holds its statistics as DTensors, and so the model. Every layer of
+    the audio model runs locally but the mel spectrogram (see
+    `AUDIO_LOCAL_NAMES`), and so the model. The verdicts are
     the same on every rank. Without a distribution nothing is judged.
     """
     references, reports = launches
@@ -219,6 +227,8 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
                 assert {"gru", "gru_cell"} & set(names), names
             elif spec == "dp:cnn:adamw":
                 assert names == list(CNN_LOCAL_NAMES), names
+            elif spec == "dp:audio:adamw":
+                assert names == list(AUDIO_LOCAL_NAMES), names
             elif spec == "dp:mlp:adamw:dropout":
                 # In training only the dense layers; in `evaluate` and
                 # `predict`, where dropout draws nothing, all of them.
@@ -247,13 +257,26 @@ CNN_LOCAL_NAMES = (
     "rotate",
 )
 
+# The layers of the audio model that ran locally under DataParallel: all
+# but the mel spectrogram, whose decibel scale is relative to the largest
+# value of the whole batch (a collective), and so the model.
+AUDIO_LOCAL_NAMES = (
+    "concat",
+    "flatten_frames",
+    "flatten_mel",
+    "frame_proj",
+    "frames",
+    "head",
+    "mix",
+    "norm",
+)
 
 # The fewest sharded variables created shard by shard, by model: the
 # transformer's embedding, attention and MLP kernels; the recurrent model's
 # embedding and its `LSTM` and `GRU` kernels (their recurrent kernels are
 # orthogonal, which is drawn whole and then sharded); the convolutional
-# model's kernel.
-SHARDED_ALONE = {"transformer": 9, "recurrent": 3, "cnn": 1}
+# model's kernel; the audio model's dense kernels and bias.
+SHARDED_ALONE = {"transformer": 9, "recurrent": 3, "cnn": 1, "audio": 3}
 
 
 def test_sharded_variables_are_created_shard_by_shard(launches):

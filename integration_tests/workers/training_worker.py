@@ -7,10 +7,11 @@ given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODE: `single` (no distribution), `dp` (DataParallel), `mp` (ModelParallel
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
   MODEL: `mlp`, `transformer`, `recurrent` (masked tokens through
-    `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop) or
+    `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop),
     `cnn` (images through an adapted `Normalization`, `RandomRotation`,
     `Conv2D`, `AveragePooling2D` with uneven "same" padding,
-    `BatchNormalization` and `MaxPooling2D`).
+    `BatchNormalization` and `MaxPooling2D`) or `audio` (signals through
+    `MelSpectrogram` and `ops.extract_sequences`).
   OPTIMIZER: `sgd` (with momentum) or `adamw`.
   EXTRA: comma-separated options: `shuffle`, `jit`, `uneven`, `dict`,
     `pydataset`, `dataloader`, `dropout`, `custom` (the model's own
@@ -36,6 +37,7 @@ import keras
 BATCH_SIZE = 8
 SEQ, VOCAB, HIDDEN = 6, 16, 16
 IMAGE_SHAPE = (8, 8, 3)
+SIGNAL = 64
 
 
 class Run:
@@ -104,6 +106,9 @@ def build_model(run):
         normalization.adapt(make_data(run)[0])
         outputs = convolutional_head(normalization(inputs))
         return model_class(inputs, outputs, name="cnn")
+    if run.model == "audio":
+        inputs = keras.Input((SIGNAL,), name="signals")
+        return model_class(inputs, audio_head(inputs), name="audio")
     inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
     if run.model == "recurrent":
         return model_class(inputs, recurrent_head(inputs), name="recurrent")
@@ -162,6 +167,38 @@ def convolutional_head(images):
     return keras.layers.Dense(4, name="head")(x)
 
 
+def audio_head(signals):
+    """Signals mixed by a dense layer, then taken as a mel spectrogram and
+    as frames, then a head.
+
+    DTensor runs neither transform: `MelSpectrogram` takes a short-time
+    Fourier transform, which frames its input with `as_strided`, and
+    builds its filters with `unfold`; the frames
+    (`ops.extract_sequences`) take `unfold`, and its gradient.
+    """
+    x = keras.layers.Dense(SIGNAL, name="mix")(signals)
+    mel = keras.layers.MelSpectrogram(
+        fft_length=16,
+        sequence_stride=8,
+        num_mel_bins=4,
+        sampling_rate=8000,
+        name="mel",
+    )(x)
+    frames = keras.layers.Lambda(
+        lambda v: keras.ops.extract_sequences(v, 16, 8), name="frames"
+    )(x)
+    frames = keras.layers.Dense(2, name="frame_proj")(frames)
+    x = keras.layers.Concatenate(name="concat")(
+        [
+            keras.layers.Flatten(name="flatten_mel")(mel),
+            keras.layers.Flatten(name="flatten_frames")(frames),
+        ]
+    )
+    # The decibels are tens: normalized, the outputs are about one.
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    return keras.layers.Dense(4, name="head")(x)
+
+
 # Layouts under `mp` and `2d`, by model: Megatron-style column- then
 # row-parallel kernels.
 MODEL_LAYOUTS = {
@@ -185,6 +222,11 @@ MODEL_LAYOUTS = {
         ".*recurrent_kernel": ("model", None),
     },
     "cnn": {"conv/kernel": (None, None, None, "model")},
+    "audio": {
+        "mix/kernel": (None, "model"),
+        "mix/bias": ("model",),
+        "frame_proj/kernel": (None, "model"),
+    },
 }
 
 
@@ -195,6 +237,8 @@ def make_data(run):
         x = rng.normal(size=(n, 12)).astype("float32")
     elif run.model == "cnn":
         x = rng.normal(size=(n,) + IMAGE_SHAPE).astype("float32")
+    elif run.model == "audio":
+        x = rng.normal(size=(n, SIGNAL)).astype("float32")
     elif run.model == "recurrent":
         # Every other sequence ends in padding (token 0, masked).
         x = rng.integers(1, VOCAB, size=(n, SEQ)).astype("int32")

@@ -9,8 +9,9 @@ limitations a Keras step meets: each torch function with a handler in
 limitation it works around and why `implicit_replication` is not enough.
 
 Collectives here: a random draw on a CPU mesh gathers its DTensor
-arguments, and the embedding, attention, lookup and convolution handlers
-redistribute DTensors; all run inside the step, on every process alike.
+arguments, and the embedding, attention, lookup, convolution and
+local-rows (`stft`, `istft`, `unfold`) handlers redistribute DTensors;
+all run inside the step, on every process alike.
 """
 
 import contextlib
@@ -402,6 +403,95 @@ def _contiguous(mode, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _signal_transform(mode, func, args, kwargs):
+    """`stft` and `istft` of a batch of signals, each process on its rows.
+
+    DTensor cannot run them: `torch.stft` frames its input with
+    `as_strided`, which DTensor refuses ("as_strided not supported with
+    DTensor"), so `ops.stft` and Keras's `MelSpectrogram` failed. Both
+    transform each row of a batch alone, along its last dimensions: each
+    process transforms its rows (`_call_on_local_rows`), the batch kept
+    split along dimension 0; a single signal is transformed whole.
+    """
+    signal = args[0] if args else kwargs.get("input")
+    rows = (0,) if signal.ndim > _SIGNAL_RANK[func] else ()
+    return _call_on_local_rows(func, rows, args, kwargs)
+
+
+def _unfold(mode, func, args, kwargs):
+    """`unfold` of a DTensor, each process on its own rows.
+
+    DTensor has no rule for it, nor for its gradient, whose `input_sizes`
+    argument it would not make local: `ops.extract_sequences` (framing,
+    as `MelSpectrogram` builds its filters) failed. Windows along one
+    dimension take the other dimensions' rows alone: the other
+    dimensions keep their split (`_call_on_local_rows`).
+    """
+    value = args[0] if args else kwargs.get("self")
+    dimension = args[1] if len(args) > 1 else kwargs.get("dimension")
+    if not isinstance(value, DTensor):
+        return func(*args, **kwargs)
+    dimension %= max(value.ndim, 1)
+    rows = tuple(dim for dim in range(value.ndim) if dim != dimension)
+    return _call_on_local_rows(func, rows, args, kwargs)
+
+
+def _call_on_local_rows(func, rows, args, kwargs):
+    """Calls `func` on the local tensor of its first argument, a DTensor
+    split along the dimensions `rows` at most, whose rows `func`
+    transforms alone.
+
+    The first argument is gathered on the mesh axes that split another
+    dimension (or hold a partial sum), every other DTensor argument is
+    replicated, and the local result is laid out as the first argument,
+    its dimensions `rows` being the first argument's. The gradient goes
+    back through the same layouts. A plain tensor argument may hold a
+    process's own values: the call is then left to DTensor, and
+    `implicit_replication` is not needed.
+    """
+    value = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    others = (*args[1:], *(v for k, v in kwargs.items() if k not in _FIRST))
+    if not isinstance(value, DTensor) or any(
+        isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+        for v in others
+    ):
+        return func(*args, **kwargs)
+    placements = [
+        p if p.is_shard() and p.dim in rows else Replicate()
+        for p in value.placements
+    ]
+    if placements != list(value.placements):
+        value = value.redistribute(value.device_mesh, placements)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _FIRST}
+    others, kwargs = tree.map_structure(
+        lambda x: _replicated(x).to_local() if isinstance(x, DTensor) else x,
+        (args[1:], kwargs),
+    )
+    result = func(value.to_local(), *others, **kwargs).contiguous()
+    shape = list(result.shape)
+    for p in placements:
+        if p.is_shard():
+            shape[p.dim] = value.shape[p.dim]
+    return DTensor.from_local(
+        result,
+        value.device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_strides(shape),
+    )
+
+
+def _contiguous_strides(shape):
+    """The strides of a contiguous tensor of `shape`."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _split_along_the_batch_at_most(value):
     """`value`, replicated on the mesh axes that do not split dimension 0."""
     if not isinstance(value, DTensor):
@@ -550,6 +640,11 @@ _CREATION_FUNCTIONS = (
     torch.tril_indices,
     torch.triu_indices,
     torch.zeros,
+    torch.bartlett_window,
+    torch.blackman_window,
+    torch.hamming_window,
+    torch.hann_window,
+    torch.kaiser_window,
 )
 # Torch functions that create a tensor of random values.
 _RANDOM_CREATION_FUNCTIONS = (
@@ -577,6 +672,17 @@ _CONVOLUTIONS = (
     torch.conv_transpose2d,
     torch.conv_transpose3d,
 )
+# The keyword names of the first argument of the functions that
+# `_call_on_local_rows` runs.
+_FIRST = ("input", "self")
+# Signal transforms -> the rank of one signal they take (a batch of them
+# has one more dimension, the first).
+_SIGNAL_RANK = {
+    torch.stft: 1,
+    torch.Tensor.stft: 1,
+    torch.istft: 2,
+    torch.Tensor.istft: 2,
+}
 # Torch function -> handler(mode, func, args, kwargs), which returns the
 # function's result; other functions are called as they are.
 _HANDLERS = {
@@ -590,4 +696,7 @@ _HANDLERS = {
     torch.nn.functional.scaled_dot_product_attention: _attention,
     **{func: _convolution for func in _CONVOLUTIONS},
     torch.Tensor.contiguous: _contiguous,
+    **{func: _signal_transform for func in _SIGNAL_RANK},
+    torch.Tensor.unfold: _unfold,
+    torch.unfold_copy: _unfold,
 }

@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+from keras.src import ops
 from keras.src import testing
 from keras.src.backend.torch import created_tensors
 from keras.src.distribution import distribution_lib as distribution_api
@@ -271,3 +272,104 @@ class ContiguousTest(testing.TestCase):
         # Plain tensors (local calls) keep the format they ask for.
         self.assertTrue(plain.is_contiguous(memory_format=torch.channels_last))
         self.assertFalse(plain.is_contiguous())
+
+
+class LocalRowsTest(testing.TestCase):
+    """`stft`, `istft` and `unfold` run on each process's rows."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        )
+        rng = np.random.default_rng(0)
+        self.signals = rng.normal(size=(4, 64)).astype("float32")
+
+    def distributed(self, value, placements):
+        tensor = torch.from_numpy(value).requires_grad_()
+        return distribute_tensor(tensor, self.mesh.backend_mesh, placements)
+
+    def test_stft_keeps_the_batch_split_and_gathers_the_rest(self):
+        # The signal is split along its samples too, on a one-process
+        # axis, where the values can be compared.
+        signals = self.distributed(self.signals, [Shard(0), Shard(1)])
+        with created_tensors.replicate_created_tensors(self.mesh):
+            real, imag = ops.stft(signals, 16, 8, 16)
+        plain = torch.from_numpy(self.signals).requires_grad_()
+        expected_real, expected_imag = ops.stft(plain, 16, 8, 16)
+        for got, expected in ((real, expected_real), (imag, expected_imag)):
+            self.assertIsInstance(got, DTensor)
+            self.assertEqual(got.placements, (Shard(0), Replicate()))
+            self.assertEqual(got.shape, expected.shape)
+            self.assertAllClose(
+                got.full_tensor().detach().numpy(),
+                expected.detach().numpy(),
+                atol=1e-5,
+            )
+        ((real**2).sum() + (imag**2).sum()).full_tensor().backward()
+        ((expected_real**2).sum() + (expected_imag**2).sum()).backward()
+        self.assertAllClose(
+            signals.grad.full_tensor().numpy(), plain.grad.numpy(), atol=1e-4
+        )
+
+    def test_istft_inverts_stft_on_the_split_batch(self):
+        signals = self.distributed(self.signals, [Shard(0), Replicate()])
+        with created_tensors.replicate_created_tensors(self.mesh):
+            spectrum = ops.stft(signals, 16, 4, 16)
+            restored = ops.istft(spectrum, 16, 4, 16, length=64)
+        self.assertEqual(restored.placements, (Shard(0), Replicate()))
+        self.assertAllClose(
+            restored.full_tensor().detach().numpy(), self.signals, atol=1e-5
+        )
+
+    def test_one_signal_is_transformed_whole(self):
+        signal = self.distributed(self.signals[0], [Shard(0), Replicate()])
+        with created_tensors.replicate_created_tensors(self.mesh):
+            real, _ = ops.stft(signal, 16, 8, 16)
+        expected, _ = ops.stft(torch.from_numpy(self.signals[0]), 16, 8, 16)
+        self.assertEqual(real.placements, (Replicate(), Replicate()))
+        self.assertAllClose(
+            real.full_tensor().detach().numpy(), expected.numpy(), atol=1e-5
+        )
+
+    def test_a_plain_window_is_left_to_dtensor(self):
+        # A plain tensor may hold a process's own values: the call is not
+        # taken for one that runs on every process alike.
+        signals = self.distributed(self.signals, [Shard(0), Replicate()])
+        window = torch.hann_window(16)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            replicated_window = torch.hann_window(16)
+            with self.assertRaisesRegex(RuntimeError, "DTensor"):
+                torch.stft(signals, 16, 8, window=window, return_complex=True)
+        self.assertEqual(replicated_window.placements, (Replicate(),) * 2)
+
+    def test_unfold_keeps_other_dimensions_split(self):
+        # `ops.extract_sequences` frames the last dimension with `unfold`.
+        value = np.random.default_rng(0).standard_normal((4, 3, 10))
+        value = value.astype("float32")
+        plain = torch.tensor(value, requires_grad=True)
+        expected = ops.extract_sequences(plain, 4, 3)
+        (expected**2).sum().backward()
+        for placements in (
+            [Shard(0), Shard(1)],
+            [Shard(1), Replicate()],
+            [Replicate(), Shard(2)],
+        ):
+            with self.subTest(placements=placements):
+                x = self.distributed(value, placements)
+                with created_tensors.replicate_created_tensors(self.mesh):
+                    frames = ops.extract_sequences(x, 4, 3)
+                # The framed dimension is gathered, the others kept.
+                kept = [
+                    p if p.is_shard() and p.dim != 2 else Replicate()
+                    for p in placements
+                ]
+                self.assertEqual(list(frames.placements), kept)
+                self.assertAllClose(
+                    frames.full_tensor().detach().numpy(),
+                    expected.detach().numpy(),
+                )
+                (frames.full_tensor() ** 2).sum().backward()
+                self.assertAllClose(
+                    x.grad.full_tensor().numpy(), plain.grad.numpy()
+                )
