@@ -413,6 +413,66 @@ def edit_layer_call_runs_batch_local(layer_module):
     layer_module.Layer.__call__ = __call__
 
 
+def edit_layer_build_replicates_created_tensors(layer_module):
+    """Under a distribution, a layer's `build` replicates the tensors it
+    creates from Python values.
+
+    Each layer's `build` (upstream's wrapper of it) runs in
+    `distribution_lib.replicate_built_tensors`: constants a layer makes
+    from its arguments when it is built (`Normalization(mean=...,
+    variance=...)`) become replicated DTensors, which the distributed
+    tensors of a step meet as one. Without a distribution the build is
+    upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    current_distribution = distribution_accessor()
+    upstream_new = layer_module.Layer.__new__
+
+    def __new__(cls, *args, **kwargs):
+        layer = upstream_new(cls, *args, **kwargs)
+        layer.build = _build_replicating_created_tensors(
+            layer.build, current_distribution
+        )
+        return layer
+
+    layer_module.Layer.__new__ = staticmethod(__new__)
+
+
+def _build_replicating_created_tensors(upstream_build, current_distribution):
+    """`upstream_build`, run in `replicate_built_tensors` under a
+    distribution."""
+
+    @functools.wraps(upstream_build)
+    def build(*args, **kwargs):
+        distribution = current_distribution()
+        if distribution is None:
+            return upstream_build(*args, **kwargs)
+        with _torch_distribution_lib().replicate_built_tensors(
+            distribution.device_mesh
+        ):
+            return upstream_build(*args, **kwargs)
+
+    return build
+
+
+def edit_variable_created_as_outside_builds(core):
+    """A variable created in a layer's `build` computes its value as
+    outside it: the torch function mode of `replicate_built_tensors` is
+    off while a variable is created (its initial value is distributed by
+    the variable edits, sharded variables shard by shard)."""
+    from keras.src.backend.torch import created_tensors
+
+    upstream_init = core.Variable.__init__
+
+    @functools.wraps(upstream_init)
+    def __init__(self, *args, **kwargs):
+        with created_tensors.creating_variable():
+            upstream_init(self, *args, **kwargs)
+
+    core.Variable.__init__ = __init__
+
+
 def _in_eager_distributed_step_check():
     """A function telling whether a call runs in an eager distributed step.
 
@@ -1121,6 +1181,7 @@ POST_IMPORT_EDITS = {
         edit_variable_skips_upstream_distribution,
         edit_variable_initialize,
         edit_variable_initialize_shard_by_shard,
+        edit_variable_created_as_outside_builds,
         edit_variable_assign,
         edit_variable_repr,
         edit_convert_to_numpy,
@@ -1151,6 +1212,7 @@ POST_IMPORT_EDITS = {
     "keras.src.layers.layer": lambda: [
         edit_layer_call_runs_batch_local,
         edit_layer_call_distributes_inputs,
+        edit_layer_build_replicates_created_tensors,
     ],
     "keras.src.losses.losses": lambda: [
         edit_loss_call_runs_batch_local,

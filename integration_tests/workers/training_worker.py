@@ -168,15 +168,19 @@ def convolutional_head(images):
 
 
 def audio_head(signals):
-    """Signals mixed by a dense layer, then taken as a mel spectrogram and
-    as frames, then a head.
+    """Signals normalized with given statistics and mixed by a dense
+    layer, then taken as a mel spectrogram and as frames, then a head.
 
     DTensor runs neither transform: `MelSpectrogram` takes a short-time
     Fourier transform, which frames its input with `as_strided`, and
     builds its filters with `unfold`; the frames
     (`ops.extract_sequences`) take `unfold`, and its gradient.
     """
-    x = keras.layers.Dense(SIGNAL, name="mix")(signals)
+    # Statistics given as constants: tensors the layer makes in its build.
+    x = keras.layers.Normalization(mean=0.2, variance=2.0, name="scale")(
+        signals
+    )
+    x = keras.layers.Dense(SIGNAL, name="mix")(x)
     mel = keras.layers.MelSpectrogram(
         fft_length=16,
         sequence_stride=8,

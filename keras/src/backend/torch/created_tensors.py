@@ -77,6 +77,56 @@ def replicate_created_tensors(device_mesh, compiled=False):
         _STATE.mode = None
 
 
+@contextlib.contextmanager
+def replicate_built_tensors(device_mesh):
+    """Makes the tensors a layer's `build` creates from Python values
+    replicated DTensors.
+
+    A layer may make constants from its arguments when it is built:
+    `Normalization(mean=..., variance=...)` converts them to tensors, which
+    its call then combines with its (distributed) inputs. Made from Python
+    values by the same program on every process, such tensors are
+    identical on every process, as the ones `replicate_created_tensors`
+    replicates inside a step: in this context they become replicated
+    DTensors as they are created, with the same torch function mode.
+    Variables are created as outside it (`creating_variable`), and tensors
+    computed from plain tensors stay plain.
+
+    Inside a step, whose context replicates already, and inside another
+    build, the context does nothing; it is per thread. It is not a step's
+    context: `replicating_created_tensors()` stays False in it.
+
+    Args:
+        device_mesh: the Keras `DeviceMesh` of the distribution.
+    """
+    if replicating_created_tensors() or _build_mode() is not None:
+        yield
+        return
+    mode = _ReplicateCreatedTensors(device_mesh.backend_mesh)
+    _STATE.build_mode = mode
+    try:
+        with mode:
+            yield
+    finally:
+        _STATE.build_mode = None
+
+
+def creating_variable():
+    """A context in which a variable's value is computed as outside any
+    build: the mode of `replicate_built_tensors` is off inside it, so that
+    initializers run as they run outside a build (sharded variables shard
+    by shard, `sharded_initialization`). Elsewhere it does nothing."""
+    mode = _build_mode()
+    if mode is None or torch.overrides._get_current_function_mode() is not mode:
+        return contextlib.nullcontext()
+    return torch.overrides._pop_mode_temporarily()
+
+
+def _build_mode():
+    """The mode of the active `replicate_built_tensors`, or None."""
+    return getattr(_STATE, "build_mode", None)
+
+
 def replicating_created_tensors():
     """Whether `replicate_created_tensors` is active."""
     return getattr(_STATE, "active", False)

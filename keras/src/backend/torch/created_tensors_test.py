@@ -115,6 +115,33 @@ class ReplicateCreatedTensorsTest(OneProcessMeshTestCase):
         self.assertIsNone(torch.overrides._get_current_function_mode())
 
 
+class ReplicateBuiltTensorsTest(OneProcessMeshTestCase):
+    """A layer's build replicates the tensors it makes from Python values;
+    variables are made as outside it."""
+
+    def test_factories_replicate_and_variables_stay_plain(self):
+        with created_tensors.replicate_built_tensors(self.mesh):
+            constant = torch.as_tensor(np.ones(3, dtype="float32"))
+            self.assertFalse(created_tensors.replicating_created_tensors())
+            with created_tensors.creating_variable():
+                initial = torch.zeros(3)
+            after = torch.arange(3)
+        self.assertIsInstance(constant, DTensor)
+        self.assertEqual(tuple(constant.placements), (Replicate(),))
+        self.assertNotIsInstance(initial, DTensor)
+        self.assertIsInstance(after, DTensor)
+        self.assertNotIsInstance(torch.arange(3), DTensor)
+
+    def test_inside_a_step_the_steps_mode_stays(self):
+        with created_tensors.replicate_created_tensors(self.mesh):
+            step_mode = created_tensors.current_mode()
+            with created_tensors.replicate_built_tensors(self.mesh):
+                self.assertIs(created_tensors.current_mode(), step_mode)
+                with created_tensors.creating_variable():
+                    # Variables made inside a step keep the step's mode.
+                    self.assertIs(created_tensors.current_mode(), step_mode)
+
+
 class CompiledModeTest(OneProcessMeshTestCase):
     """The mode around a compiled step lets Dynamo trace DTensor code."""
 

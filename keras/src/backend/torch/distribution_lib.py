@@ -72,6 +72,7 @@ from keras.src.backend.torch.collectives import all_gather  # noqa: F401
 from keras.src.backend.torch.collectives import all_reduce  # noqa: F401
 from keras.src.backend.torch.core import convert_to_tensor
 from keras.src.backend.torch.core import to_torch_dtype
+from keras.src.backend.torch.created_tensors import replicate_built_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicate_created_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicating_created_tensors  # noqa: F401
 from keras.src.backend.torch.dtensor_layouts import DTensorLayout  # noqa: F401

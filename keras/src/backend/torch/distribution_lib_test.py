@@ -323,6 +323,40 @@ class SingleProcessDistributionTest(testing.TestCase):
             self.assertAllClose(history[key], expected[0][key], rtol=1e-6)
         self.assertAllClose(evaluation, expected[1], rtol=1e-6)
 
+    def test_constants_a_build_makes_are_replicated(self):
+        """`Normalization(mean=..., variance=...)` makes its statistics
+        when it is built; under a distribution they are replicated
+        DTensors, which its distributed inputs meet as one."""
+        x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+
+        def build_and_predict():
+            rng_utils.set_random_seed(3)
+            inputs = layers.Input((3,))
+            normalize = layers.Normalization(
+                mean=[0.5, -1.0, 2.0], variance=[4.0, 1.0, 0.25]
+            )
+            outputs = layers.Dense(2, name="dense")(normalize(inputs))
+            model = models.Model(inputs, outputs)
+            return normalize, model, model.predict(x, verbose=0)
+
+        plain_normalize, _, expected = build_and_predict()
+        self.assertNotIsInstance(plain_normalize.mean, DTensor)
+        mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        layout_map = distribution_api.LayoutMap(mesh)
+        layout_map[".*dense/kernel"] = (None, "batch")
+        distribution_api.set_distribution(
+            distribution_api.ModelParallel(layout_map=layout_map)
+        )
+        normalize, model, predicted = build_and_predict()
+        for statistic in (normalize.mean, normalize.variance):
+            self.assertIsInstance(statistic, DTensor)
+            self.assertEqual(tuple(statistic.placements), (Replicate(),))
+        # Variables made in a build are made as outside it.
+        kernel = model.get_layer("dense").kernel.value
+        self.assertIsInstance(kernel, torch.nn.Parameter)
+        self.assertEqual(tuple(kernel.placements), (Shard(1),))
+        self.assertAllClose(predicted, expected, atol=1e-6)
+
     def test_collectives_single_process(self):
         value = np.array([1.0, 2.0], dtype="float32")
         self.assertAllClose(distribution_lib.all_reduce(value), value)
