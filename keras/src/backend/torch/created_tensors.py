@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
 from keras.src.backend.torch import sharding_rules
+from keras.src.backend.torch.dtensor_layouts import contiguous_strides
 
 # Whether `replicate_created_tensors` is active, per thread.
 _STATE = threading.local()
@@ -528,18 +529,8 @@ def _call_on_local_rows(func, rows, args, kwargs):
         placements,
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous_strides(shape),
+        stride=contiguous_strides(shape),
     )
-
-
-def _contiguous_strides(shape):
-    """The strides of a contiguous tensor of `shape`."""
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _split_along_the_batch_at_most(value):
