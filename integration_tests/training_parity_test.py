@@ -28,7 +28,7 @@ RUNS = {
         "dp:mlp:sgd:dataloader",
         "dp:mlp:adamw:dropout",
         "dp:mlp:sgd:local",
-        "mp:transformer:sgd",
+        "mp:transformer:sgd:uneven",
         "mp:transformer:adamw",
         "dp:recurrent:adamw",
         "mp:recurrent:sgd",
@@ -61,7 +61,8 @@ DESCRIPTIONS = {
     "dp:mlp:sgd:local": "DataParallel, 2 processes, MLP, SGD, "
     "`auto_shard_dataset=False` (each process passes its half of every "
     "batch)",
-    "mp:transformer:sgd": "ModelParallel (1, 2), 2-block transformer, SGD",
+    "mp:transformer:sgd:uneven": "ModelParallel (1, 2), 2-block "
+    "transformer, SGD, an uneven last batch",
     "mp:transformer:adamw": "ModelParallel (1, 2), 2-block transformer, AdamW",
     "dp:audio:adamw": "DataParallel, 2 processes, `Normalization` with "
     "given statistics, a dense layer, then `MelSpectrogram` and "

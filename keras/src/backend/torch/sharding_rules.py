@@ -32,6 +32,16 @@ refuses.
   features)` folds batch and time into one for its matmul. The view
   takes the `reshape` rule, which gathers the dimension first: exact,
   and an all-gather in the steps whose batch does not divide.
+- **An uneven split behind an axis of one process.** Torch's view rules
+  check a split dimension against the first mesh axis that splits it
+  only. Attention on a (1, 2) mesh can give its output `(Shard(0),
+  Shard(0))`: the batch split over the axis of one process, then over
+  the other; a last batch of 3 rows is then split unevenly, the check
+  passes on the first axis, and the view's local shape is wrong
+  ("shape '[1, 12, 16]' is invalid for input of size 256", in
+  `EinsumDense`). The view rules see such an input with the `Shard` on
+  the axis of one process replaced by `Replicate` (the same local
+  tensor), so the uneven split is checked and gathered as above.
 - **Unflattening a `_StridedShard` whose split does not fit.** Torch
   2.13's `view` rule refuses to split a dimension laid out as a
   `_StridedShard` (what flattening a sharded inner dimension gives) into
@@ -85,6 +95,8 @@ refuses.
 `register()` installs every rule; `distribution_lib` calls it when it
 creates its first mesh, before any DTensor op runs.
 """
+
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -248,9 +260,18 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
     derives the same dimension map from them for both; the rules differ
     only in that `reshape`'s may redistribute its input. Any other refusal
     of `view_rule` is raised as it is.
+
+    Torch's rules check a split dimension against the first mesh axis
+    that splits it only. A dimension split over an axis of one process
+    and then unevenly over another (`(Shard(0), Shard(0))` on a (1, 2)
+    mesh, a batch of 3 rows) passes that check and is viewed as if split
+    evenly ("shape '[1, 12, 16]' is invalid for input of size 256"). The
+    rules see such an input with its `Shard` on the axis of one process
+    replaced by `Replicate`, which holds the same local tensor: the
+    uneven split is then checked, and gathered.
     """
 
-    def rule(op_schema):
+    def view_or_reshape(op_schema):
         try:
             return view_rule(op_schema)
         except RuntimeError as error:
@@ -264,12 +285,38 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
                 raise
         return reshape_rule(op_schema)
 
+    def rule(op_schema):
+        input_strategy = op_schema.args_schema[0]
+        if not any(
+            _hides_an_uneven_split(s.output_spec, mesh_dim)
+            for s in input_strategy.strategies
+            for mesh_dim in range(s.output_spec.mesh.ndim)
+        ):
+            return view_or_reshape(op_schema)
+        relaid = _first_input_replicated(op_schema, _hides_an_uneven_split)
+        return _with_input_costs(view_or_reshape(relaid), input_strategy)
+
     rule.keras_reshape_fallback = True
     return rule
 
 
-def _is_strided(placement):
-    return isinstance(placement, _StridedShard)
+def _is_strided(spec, mesh_dim):
+    return isinstance(spec.placements[mesh_dim], _StridedShard)
+
+
+def _hides_an_uneven_split(spec, mesh_dim):
+    """Whether `spec`'s placement on `mesh_dim`, an axis of one process,
+    splits a dimension that other axes split unevenly."""
+    placement = spec.placements[mesh_dim]
+    mesh = spec.mesh
+    if not isinstance(placement, Shard) or mesh.size(mesh_dim) != 1:
+        return False
+    splits = [
+        mesh.size(i)
+        for i, p in enumerate(spec.placements)
+        if isinstance(p, Shard) and p.dim == placement.dim
+    ]
+    return spec.shape[placement.dim] % math.prod(splits) != 0
 
 
 def _register_unbind_fallback():
@@ -310,7 +357,11 @@ def unbind_with_gather_fallback(unbind_rule):
         return _with_input_costs(
             unbind_rule(
                 _first_input_replicated(
-                    op_schema, lambda p: isinstance(p, Shard) and p.dim == dim
+                    op_schema,
+                    lambda spec, mesh_dim: (
+                        isinstance(spec.placements[mesh_dim], Shard)
+                        and spec.placements[mesh_dim].dim == dim
+                    ),
                 )
             ),
             input_strategy,
@@ -322,7 +373,8 @@ def unbind_with_gather_fallback(unbind_rule):
 
 def _first_input_replicated(op_schema, gathered):
     """`op_schema`, each strategy of its first argument with the
-    placements `gathered` picks (a predicate) replaced by `Replicate`."""
+    placements `gathered(spec, mesh_dim)` picks (a predicate) replaced by
+    `Replicate`."""
     specs = [s.output_spec for s in op_schema.args_schema[0].strategies]
     relaid = OpStrategy(
         [
@@ -330,8 +382,8 @@ def _first_input_replicated(op_schema, gathered):
                 DTensorSpec(
                     spec.mesh,
                     tuple(
-                        Replicate() if gathered(p) else p
-                        for p in spec.placements
+                        Replicate() if gathered(spec, mesh_dim) else p
+                        for mesh_dim, p in enumerate(spec.placements)
                     ),
                     tensor_meta=spec.tensor_meta,
                 )

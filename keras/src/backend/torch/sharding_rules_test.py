@@ -6,6 +6,8 @@ checked by `benchmark_smoke_test.py` and the torch matrix
 (`scripts/torch_matrix.sh`).
 """
 
+from unittest import mock
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,18 @@ from keras.src import ops
 from keras.src import testing
 from keras.src.backend.torch import sharding_rules
 from keras.src.distribution import distribution_lib as distribution_api
+
+
+class FakeMesh:
+    """The parts of a `DeviceMesh` the rules read, for mesh shapes one
+    process cannot build."""
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.ndim = len(shape)
+
+    def size(self, mesh_dim=None):
+        return self.shape[mesh_dim]
 
 
 def head_sharded(value, mesh, placements):
@@ -73,6 +87,20 @@ class ViewFallbackTest(testing.TestCase):
     """The fallback steps in on `view`'s refusals to flatten or reshape a
     sharded dimension, and on nothing else."""
 
+    def setUp(self):
+        super().setUp()
+        # A view of a tensor split along its first dimension.
+        mesh = distribution_api.DeviceMesh(
+            (1,), ("batch",), ["cpu:0"]
+        ).backend_mesh
+        meta = TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
+        spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        self.schema = OpSchema(
+            torch.ops.aten.view.default,
+            (OpStrategy([OpSpec(spec)]), [24]),
+            {},
+        )
+
     def rule_raising(self, message):
         def view_rule(op_schema):
             raise RuntimeError(message)
@@ -87,14 +115,14 @@ class ViewFallbackTest(testing.TestCase):
             ),
             lambda op_schema: ("reshape", op_schema),
         )
-        self.assertEqual(rule("schema"), ("reshape", "schema"))
+        self.assertEqual(rule(self.schema), ("reshape", self.schema))
 
     def test_refusal_to_reshape_a_sharded_dimension_takes_reshape(self):
         rule = sharding_rules.view_with_reshape_fallback(
             self.rule_raising("would remove or reshape sharded dimension 1"),
             lambda op_schema: ("reshape", op_schema),
         )
-        self.assertEqual(rule("schema"), ("reshape", "schema"))
+        self.assertEqual(rule(self.schema), ("reshape", self.schema))
 
     def test_refusals_of_uneven_splits_take_the_reshape_rule(self):
         """A batch that does not divide by the processes (a last batch)
@@ -110,7 +138,67 @@ class ViewFallbackTest(testing.TestCase):
                 self.rule_raising(message),
                 lambda op_schema: ("reshape", op_schema),
             )
-            self.assertEqual(rule("schema"), ("reshape", "schema"))
+            self.assertEqual(rule(self.schema), ("reshape", self.schema))
+
+    def test_an_uneven_split_behind_an_axis_of_one_process_is_checked(self):
+        """`(Shard(0), Shard(0))` on a (1, 2) mesh, 3 rows: torch's rules
+        check the first axis only; they see the split of the second."""
+        mesh = FakeMesh((1, 2))
+        meta = TensorMeta(torch.Size([3, 8, 16]), (128, 16, 1), torch.float32)
+        spec = DTensorSpec(mesh, (Shard(0), Shard(0)), tensor_meta=meta)
+        even = DTensorSpec(
+            mesh,
+            (Shard(0), Shard(0)),
+            tensor_meta=TensorMeta(
+                torch.Size([4, 8, 16]), (128, 16, 1), torch.float32
+            ),
+        )
+        self.assertTrue(sharding_rules._hides_an_uneven_split(spec, 0))
+        self.assertFalse(sharding_rules._hides_an_uneven_split(spec, 1))
+        self.assertFalse(sharding_rules._hides_an_uneven_split(even, 0))
+        seen = []
+
+        def view_rule(op_schema):
+            (input_spec,) = [
+                s.output_spec for s in op_schema.args_schema[0].strategies
+            ]
+            seen.append(input_spec.placements)
+            if input_spec.placements[0] != Replicate():
+                return "viewed as if split evenly"
+            raise RuntimeError(
+                "Cannot flatten unevenly sharded tensor: dimension 0 "
+                "(size 3) is not evenly divisible by mesh dimension 1 "
+                "(size 2)."
+            )
+
+        def reshape_rule(op_schema):
+            (input_spec,) = [
+                s.output_spec for s in op_schema.args_schema[0].strategies
+            ]
+            gathered = DTensorSpec(
+                mesh, (Replicate(), Replicate()), tensor_meta=meta
+            )
+            seen.append(("reshape", input_spec.placements))
+            return OpStrategy(
+                [OpSpec(output_specs=gathered, input_specs=(gathered,))]
+            )
+
+        rule = sharding_rules.view_with_reshape_fallback(
+            view_rule, reshape_rule
+        )
+        schema = OpSchema(
+            torch.ops.aten.view.default,
+            (OpStrategy([OpSpec(spec)]), [24, 16]),
+            {},
+        )
+        with mock.patch.object(
+            sharding_rules, "generate_redistribute_costs", lambda *a: [0.0]
+        ):
+            strategy = rule(schema)
+        hidden = (Replicate(), Shard(0))
+        self.assertEqual(seen, [hidden, ("reshape", hidden)])
+        (op_spec,) = strategy.strategies
+        self.assertEqual(op_spec.redistribute_cost, [[0.0]])
 
     def test_refusal_to_unflatten_a_strided_shard_gathers_it(self):
         mesh = distribution_api.DeviceMesh(
@@ -157,7 +245,7 @@ class ViewFallbackTest(testing.TestCase):
             lambda op_schema: ("reshape", op_schema),
         )
         with self.assertRaisesRegex(RuntimeError, "some other refusal"):
-            rule("schema")
+            rule(self.schema)
 
     def test_view_of_a_dimension_on_a_size_one_axis(self):
         """`Shard(1)` on a mesh axis of size 1 holds the whole dimension;
@@ -181,7 +269,7 @@ class ViewFallbackTest(testing.TestCase):
             lambda op_schema: ("view", op_schema),
             lambda op_schema: ("reshape", op_schema),
         )
-        self.assertEqual(rule("schema"), ("view", "schema"))
+        self.assertEqual(rule(self.schema), ("view", self.schema))
 
     def test_register_wraps_once(self):
         sharding_rules.register()
