@@ -309,7 +309,11 @@ def _hides_an_uneven_split(spec, mesh_dim):
     splits a dimension that other axes split unevenly."""
     placement = spec.placements[mesh_dim]
     mesh = spec.mesh
-    if not isinstance(placement, Shard) or mesh.size(mesh_dim) != 1:
+    if (
+        not isinstance(placement, Shard)
+        or mesh.size(mesh_dim) != 1
+        or spec.tensor_meta is None
+    ):
         return False
     splits = [
         mesh.size(i)
