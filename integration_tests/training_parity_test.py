@@ -68,7 +68,7 @@ DESCRIPTIONS = {
     "given statistics, a dense layer, then `MelSpectrogram` and "
     "`ops.extract_sequences`, AdamW",
     "mp:audio:sgd": "ModelParallel (1, 2), the same audio model, its dense "
-    "kernels split over columns, SGD",
+    "kernels split over columns (a cumulative sum along one), SGD",
     "2d:transformer:sgd:uneven": "2-D (2, 2), 4 processes, 2-block "
     "transformer, SGD, an uneven last batch",
     "dp:recurrent:adamw": "DataParallel, 2 processes, masked `LSTM`, "
@@ -232,10 +232,9 @@ def test_layers_local_to_each_batch_shard_ran_locally(launches):
                 assert names == list(CNN_LOCAL_NAMES), names
             elif spec == "dp:audio:adamw":
                 # The normalization holds its statistics as DTensors (made
-                # in its build), and stays on DTensors, and so the model.
-                # The mel spectrogram scales to decibels relative to the
-                # largest value of the whole batch, a collective where
-                # the batch is split.
+                # in its build), and stays on DTensors, and so the model;
+                # the mel spectrogram's `stft` runs on local rows in its
+                # watched call, and it runs locally.
                 assert set(AUDIO_LOCAL_NAMES) <= set(names), names
                 assert not {"scale", "audio"} & set(names), names
             elif spec == "dp:mlp:adamw:dropout":
@@ -268,12 +267,14 @@ CNN_LOCAL_NAMES = (
 
 # Layers of the audio model that ran locally under DataParallel.
 AUDIO_LOCAL_NAMES = (
+    "accumulate",
     "concat",
     "flatten_frames",
     "flatten_mel",
     "frame_proj",
     "frames",
     "head",
+    "mel",
     "mix",
     "norm",
 )

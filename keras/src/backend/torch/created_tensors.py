@@ -10,8 +10,8 @@ limitation it works around and why `implicit_replication` is not enough.
 
 Collectives here: a random draw on a CPU mesh gathers its DTensor
 arguments, and the embedding, attention, lookup, convolution and
-local-rows (`stft`, `istft`, `unfold`) handlers redistribute DTensors;
-all run inside the step, on every process alike.
+local-rows (`stft`, `istft`, `unfold`, the cumulative ops) handlers
+redistribute DTensors; all run inside the step, on every process alike.
 """
 
 import contextlib
@@ -469,19 +469,30 @@ def _signal_transform(mode, func, args, kwargs):
     return _call_on_local_rows(func, rows, args, kwargs)
 
 
-def _unfold(mode, func, args, kwargs):
-    """`unfold` of a DTensor, each process on its own rows.
+def _along_one_dimension(mode, func, args, kwargs):
+    """An op along one dimension of a DTensor, each process on its rows.
 
-    DTensor has no rule for it, nor for its gradient, whose `input_sizes`
-    argument it would not make local: `ops.extract_sequences` (framing,
-    as `MelSpectrogram` builds its filters) failed. Windows along one
-    dimension take the other dimensions' rows alone: the other
-    dimensions keep their split (`_call_on_local_rows`).
+    - `unfold` (`ops.extract_sequences`, and `MelSpectrogram`'s filters):
+      DTensor has no rule for it, nor for its gradient, whose
+      `input_sizes` argument it would not make local.
+    - `cumprod` (`ops.cumprod`): DTensor runs it, but its gradient's
+      formula makes plain tensors that meet the DTensor ("aten.where.self
+      got mixed torch.Tensor and DTensor").
+    - `cumsum`, `cumprod` and `logcumsumexp` along a split dimension
+      given as a negative number (`axis=-1`): torch 2.13's DTensor rule
+      does not gather that dimension, and each process accumulates its
+      shard alone, silently wrong (`cumsum` of `[[1, 2, 3, 4]]` split in
+      two gives `[[1, 3, 3, 7]]`).
+
+    Each takes the rows of the other dimensions alone: those keep their
+    split, the op's dimension is gathered (`_call_on_local_rows`), and
+    its gradient runs on local tensors.
     """
-    value = args[0] if args else kwargs.get("self")
-    dimension = args[1] if len(args) > 1 else kwargs.get("dimension")
+    value = args[0] if args else kwargs.get("self", kwargs.get("input"))
     if not isinstance(value, DTensor):
         return func(*args, **kwargs)
+    name = _DIMENSION_ARGUMENTS[func]
+    dimension = args[1] if len(args) > 1 else kwargs.get(name)
     dimension %= max(value.ndim, 1)
     rows = tuple(dim for dim in range(value.ndim) if dim != dimension)
     return _call_on_local_rows(func, rows, args, kwargs)
@@ -724,6 +735,18 @@ _SIGNAL_RANK = {
     torch.istft: 2,
     torch.Tensor.istft: 2,
 }
+# Ops along one dimension -> the keyword name of their dimension (their
+# second argument).
+_DIMENSION_ARGUMENTS = {
+    torch.Tensor.unfold: "dimension",
+    torch.unfold_copy: "dimension",
+    torch.cumprod: "dim",
+    torch.Tensor.cumprod: "dim",
+    torch.cumsum: "dim",
+    torch.Tensor.cumsum: "dim",
+    torch.logcumsumexp: "dim",
+    torch.Tensor.logcumsumexp: "dim",
+}
 # Torch function -> handler(mode, func, args, kwargs), which returns the
 # function's result; other functions are called as they are.
 _HANDLERS = {
@@ -738,6 +761,5 @@ _HANDLERS = {
     **{func: _convolution for func in _CONVOLUTIONS},
     torch.Tensor.contiguous: _contiguous,
     **{func: _signal_transform for func in _SIGNAL_RANK},
-    torch.Tensor.unfold: _unfold,
-    torch.unfold_copy: _unfold,
+    **{func: _along_one_dimension for func in _DIMENSION_ARGUMENTS},
 }

@@ -302,7 +302,8 @@ class ContiguousTest(testing.TestCase):
 
 
 class LocalRowsTest(testing.TestCase):
-    """`stft`, `istft` and `unfold` run on each process's rows."""
+    """`stft`, `istft`, `unfold` and the cumulative ops run on each
+    process's rows."""
 
     def setUp(self):
         super().setUp()
@@ -399,4 +400,35 @@ class LocalRowsTest(testing.TestCase):
                 (frames.full_tensor() ** 2).sum().backward()
                 self.assertAllClose(
                     x.grad.full_tensor().numpy(), plain.grad.numpy()
+                )
+
+    def test_cumulative_ops_and_gradients_run_on_local_rows(self):
+        for op in (ops.cumprod, ops.cumsum):
+            with self.subTest(op=op.__name__):
+                self.check_cumulative_op(op)
+
+    def check_cumulative_op(self, op):
+        value = np.random.default_rng(1).uniform(0.5, 1.5, size=(4, 6))
+        value = value.astype("float32")
+        plain = torch.tensor(value, requires_grad=True)
+        expected = op(plain, axis=-1)
+        (expected**2).sum().backward()
+        for placements in ([Shard(0), Shard(1)], [Replicate(), Shard(0)]):
+            with self.subTest(placements=placements):
+                x = self.distributed(value, placements)
+                with created_tensors.replicate_created_tensors(self.mesh):
+                    products = op(x, axis=-1)
+                    (products**2).sum().backward()
+                kept = [
+                    p if p.is_shard() and p.dim != 1 else Replicate()
+                    for p in placements
+                ]
+                self.assertEqual(list(products.placements), kept)
+                self.assertAllClose(
+                    products.full_tensor().detach().numpy(),
+                    expected.detach().numpy(),
+                    atol=1e-5,
+                )
+                self.assertAllClose(
+                    x.grad.full_tensor().numpy(), plain.grad.numpy(), atol=1e-4
                 )
