@@ -371,64 +371,54 @@ class LocalRowsTest(testing.TestCase):
                 torch.stft(signals, 16, 8, window=window, return_complex=True)
         self.assertEqual(replicated_window.placements, (Replicate(),) * 2)
 
-    def test_unfold_keeps_other_dimensions_split(self):
-        # `ops.extract_sequences` frames the last dimension with `unfold`.
-        value = np.random.default_rng(0).standard_normal((4, 3, 10))
-        value = value.astype("float32")
+    def check_along_one_dimension(self, op, value, dim, placements_list):
+        """`op` of `value`, laid out as each of `placements_list`: the
+        dimension `dim` it runs along is gathered, the others keep their
+        split, and the values and gradients are those of plain tensors."""
         plain = torch.tensor(value, requires_grad=True)
-        expected = ops.extract_sequences(plain, 4, 3)
+        expected = op(plain)
         (expected**2).sum().backward()
-        for placements in (
-            [Shard(0), Shard(1)],
-            [Shard(1), Replicate()],
-            [Replicate(), Shard(2)],
-        ):
+        for placements in placements_list:
             with self.subTest(placements=placements):
                 x = self.distributed(value, placements)
                 with created_tensors.replicate_created_tensors(self.mesh):
-                    frames = ops.extract_sequences(x, 4, 3)
-                # The framed dimension is gathered, the others kept.
+                    result = op(x)
                 kept = [
-                    p if p.is_shard() and p.dim != 2 else Replicate()
+                    p if p.is_shard() and p.dim != dim else Replicate()
                     for p in placements
                 ]
-                self.assertEqual(list(frames.placements), kept)
+                self.assertEqual(list(result.placements), kept)
                 self.assertAllClose(
-                    frames.full_tensor().detach().numpy(),
-                    expected.detach().numpy(),
-                )
-                (frames.full_tensor() ** 2).sum().backward()
-                self.assertAllClose(
-                    x.grad.full_tensor().numpy(), plain.grad.numpy()
-                )
-
-    def test_cumulative_ops_and_gradients_run_on_local_rows(self):
-        for op in (ops.cumprod, ops.cumsum):
-            with self.subTest(op=op.__name__):
-                self.check_cumulative_op(op)
-
-    def check_cumulative_op(self, op):
-        value = np.random.default_rng(1).uniform(0.5, 1.5, size=(4, 6))
-        value = value.astype("float32")
-        plain = torch.tensor(value, requires_grad=True)
-        expected = op(plain, axis=-1)
-        (expected**2).sum().backward()
-        for placements in ([Shard(0), Shard(1)], [Replicate(), Shard(0)]):
-            with self.subTest(placements=placements):
-                x = self.distributed(value, placements)
-                with created_tensors.replicate_created_tensors(self.mesh):
-                    products = op(x, axis=-1)
-                    (products**2).sum().backward()
-                kept = [
-                    p if p.is_shard() and p.dim != 1 else Replicate()
-                    for p in placements
-                ]
-                self.assertEqual(list(products.placements), kept)
-                self.assertAllClose(
-                    products.full_tensor().detach().numpy(),
+                    result.full_tensor().detach().numpy(),
                     expected.detach().numpy(),
                     atol=1e-5,
                 )
+                (result.full_tensor() ** 2).sum().backward()
                 self.assertAllClose(
                     x.grad.full_tensor().numpy(), plain.grad.numpy(), atol=1e-4
+                )
+
+    def test_unfold_keeps_other_dimensions_split(self):
+        # `ops.extract_sequences` frames the last dimension with `unfold`.
+        value = np.random.default_rng(0).standard_normal((4, 3, 10))
+        self.check_along_one_dimension(
+            lambda x: ops.extract_sequences(x, 4, 3),
+            value.astype("float32"),
+            2,
+            (
+                [Shard(0), Shard(1)],
+                [Shard(1), Replicate()],
+                [Replicate(), Shard(2)],
+            ),
+        )
+
+    def test_cumulative_ops_and_gradients_run_on_local_rows(self):
+        value = np.random.default_rng(1).uniform(0.5, 1.5, size=(4, 6))
+        for op in (ops.cumprod, ops.cumsum):
+            with self.subTest(op=op.__name__):
+                self.check_along_one_dimension(
+                    lambda x: op(x, axis=-1),
+                    value.astype("float32"),
+                    1,
+                    ([Shard(0), Shard(1)], [Replicate(), Shard(0)]),
                 )
