@@ -569,15 +569,29 @@ def _efficient_attention_backward_sharding(
     """Rules of the memory-efficient attention backward.
 
     Outputs: gradients of q, k, v and the mask (see
-    `_mask_grad_placement`).
+    `_mask_grad_placement`). The kernel computes the mask's gradient only
+    where the fourth flag of `grad_input_mask` (the second argument after
+    `offset`) asks for it, as for a mask that needs a gradient; a mask
+    made from a padding mask needs none, and its gradient is then no
+    tensor, whose placement must be none.
     """
+    grad_input_mask = _argument(args, kwargs, 1, "grad_input_mask")
+    wants_mask_grad = grad_input_mask is None or grad_input_mask[3]
     strategies = []
     for p in _ATTENTION_PLACEMENTS:
-        outputs = [p, p, p, _mask_grad_placement(attn_bias, p)]
+        mask_grad = _mask_grad_placement(attn_bias, p)
+        outputs = [p, p, p, mask_grad if wants_mask_grad else None]
         inputs = [p, p, p, p, mask_placement(attn_bias, p), p, p]
         inputs += [Replicate(), Replicate()]
         strategies.append((outputs, inputs + _nones(args, kwargs)))
     return strategies
+
+
+def _argument(args, kwargs, index, name):
+    """The argument at `index` of `args`, or keyword `name`, or None."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name)
 
 
 def _nones(args, kwargs):

@@ -539,20 +539,36 @@ class CudaAttentionRulesTest(testing.TestCase):
                 + (None, None, length, length, 0.0, False),
             )
             self.assertEqual(cudnn, [(placement,)] * 3, name)
-            wants_mask_grad = mask is not None
-            efficient = self.propagate(
-                aten._scaled_dot_product_efficient_attention_backward.default,
-                (query, query, query, query, mask, query, lse, seed, seed)
-                + (0.0, [True, True, True, wants_mask_grad], False),
+            # A mask that needs a gradient, then one that needs none (a
+            # padding mask's, as keras-hub's models pass).
+            for wants_mask_grad in (mask is not None, False):
+                efficient = self.propagate(
+                    aten._scaled_dot_product_efficient_attention_backward.default,
+                    (query, query, query, query, mask, query, lse, seed, seed)
+                    + (0.0, [True, True, True, wants_mask_grad], False),
+                )
+                self.assertEqual(efficient[:3], [(placement,)] * 3, name)
+                if not wants_mask_grad:
+                    self.assertIsNone(efficient[3])
+                elif mask.placements[0] == placement:
+                    self.assertEqual(efficient[3], (placement,))
+                else:
+                    # A broadcast mask's gradient sums over the query parts.
+                    self.assertEqual(efficient[3], (Partial(),))
+
+    def test_efficient_backward_gives_no_mask_gradient_unasked(self):
+        """A mask that needs no gradient has none: torch 2.11's DTensor
+        refuses a placement for the missing output ("output 3 ... does
+        not have an associated TensorMeta", seen on an H100)."""
+        query = self.spec(self.SHAPE, Shard(0))
+        mask = self.mask((self.SHAPE[0], 1, 8, 8), Shard(0))
+        for wants_mask_grad in (True, False):
+            strategies = sharding_rules._efficient_attention_backward_sharding(
+                *(query, query, query, query, mask, query, query, None, None),
+                *(0.0, [True, True, True, wants_mask_grad], False),
             )
-            self.assertEqual(efficient[:3], [(placement,)] * 3, name)
-            if mask is None:
-                self.assertIsNone(efficient[3])
-            elif mask.placements[0] == placement:
-                self.assertEqual(efficient[3], (placement,))
-            else:
-                # A broadcast mask's gradient sums over the query parts.
-                self.assertEqual(efficient[3], (Partial(),))
+            for outputs, _ in strategies:
+                self.assertEqual(outputs[3] is not None, wants_mask_grad)
 
     def test_flash_backward_keeps_torchs_rule(self):
         aten = torch.ops.aten
