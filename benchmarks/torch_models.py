@@ -16,6 +16,7 @@ from keras_models import causal_bias
 from keras_models import rotary_tables
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import parallelize_module
@@ -158,8 +159,15 @@ def build_model(workload, config):
 
 
 def make_optimizer(config, parameters):
-    """The torch optimizer matching `keras_models.make_optimizer`."""
-    parameters = list(parameters)
+    """The torch optimizer matching `keras_models.make_optimizer`.
+
+    DTensor parameters (those `parallelize_module` sharded) and plain ones
+    (the rest of a tensor-parallel model) go in separate parameter groups:
+    on CUDA, torch's optimizers default to their `foreach` kernels, which
+    take a group's tensors in one call and refuse to mix DTensors with
+    plain tensors.
+    """
+    parameters = _groups_by_tensor_type(parameters)
     if config.optimizer == "sgd":
         return torch.optim.SGD(parameters, config.learning_rate, momentum=0.9)
     if config.optimizer == "adamw":
@@ -167,6 +175,16 @@ def make_optimizer(config, parameters):
             parameters, config.learning_rate, weight_decay=0.01, eps=1e-8
         )
     raise ValueError(f"Unknown optimizer {config.optimizer!r}.")
+
+
+def _groups_by_tensor_type(parameters):
+    """Parameter groups: the DTensors, then the plain tensors (if any)."""
+    parameters = list(parameters)
+    groups = [
+        [p for p in parameters if isinstance(p, DTensor)],
+        [p for p in parameters if not isinstance(p, DTensor)],
+    ]
+    return [{"params": group} for group in groups if group]
 
 
 def _native_parameter(model, keras_path):
