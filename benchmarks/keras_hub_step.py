@@ -1,0 +1,424 @@
+"""keras-hub causal LMs under a distribution against no distribution.
+
+Trains a keras-hub backbone plus its reversed token embedding as the
+language-model head (as `GemmaCausalLM` and `LlamaCausalLM` compute their
+logits), with `train_on_batch`, exactly as a user would write it: first
+without a distribution, then under each mode asked for, from the same
+seed on the same batches. For each run it reports:
+
+- the largest relative difference of the per-step losses from the run
+  without a distribution, and the largest absolute difference of the
+  final weights;
+- the median step time (after `--warmup` steps; the device is
+  synchronized after each step) and, on CUDA, the peak memory allocated
+  during the timed steps;
+- the attention kernels the step ran (the `aten` ops whose name holds
+  `scaled_dot_product`, read by `torch.profiler` from the last step,
+  which is not timed), that step's host reads of a value ("device
+  waits": `.item()` and stream synchronizations, each of which waits for
+  the GPU's queued work) and, in the log, its most expensive ops;
+- the layers that ran on DTensors rather than on local tensors
+  (`batch_local`), under the table.
+
+Modes: `none` (no distribution), `dp` (`DataParallel` over every
+process) and `mp` (`ModelParallel` on a (1, N) ("batch", "model") mesh
+laid out by the backbone's own `get_layout_map`). On one process the
+meshes are (1,) and (1, 1). Run it under torchrun, e.g. on one GPU:
+
+    KERAS_BACKEND=torch torchrun --nproc_per_node=1 \\
+        benchmarks/keras_hub_step.py --preset gemma-h1024 \\
+        --precision mixed_bfloat16 --out /tmp/out
+
+Presets: `tiny` (2 layers, hidden 32; float32 parity checks, fast on
+CPU) and `gemma-h1024` (6 layers, hidden 1024, 8 heads of 128, vocabulary
+32000, batch 16 of 512 tokens: the size of the keras-hub issue's GPU
+table). `--sdpa` restricts `scaled_dot_product_attention` to one kernel
+family (`math`, `efficient`, `flash`, `cudnn`) for the whole run.
+"""
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
+from torch.profiler import profile  # noqa: E402
+
+import keras  # noqa: E402
+
+SEED = 1337
+PRESETS = {
+    "tiny": {
+        "backbone": {
+            "vocabulary_size": 256,
+            "num_layers": 2,
+            "num_query_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_dim": 32,
+            "intermediate_dim": 64,
+        },
+        "gemma": {"head_dim": 8},
+        "batch": 4,
+        "seq": 16,
+    },
+    "gemma-h1024": {
+        "backbone": {
+            "vocabulary_size": 32000,
+            "num_layers": 6,
+            "num_query_heads": 8,
+            "num_key_value_heads": 8,
+            "hidden_dim": 1024,
+            "intermediate_dim": 4096,
+        },
+        "gemma": {"head_dim": 128},
+        "batch": 16,
+        "seq": 512,
+    },
+}
+BACKBONES = {
+    "gemma": keras_hub.models.GemmaBackbone,
+    "llama": keras_hub.models.LlamaBackbone,
+}
+SDPA_BACKENDS = {
+    "math": "MATH",
+    "efficient": "EFFICIENT_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+}
+
+
+def parse_args(argv=None):
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--models", default="gemma,llama")
+    parser.add_argument("--modes", default="dp,mp")
+    parser.add_argument(
+        "--precision", default="float32", choices=("float32", "mixed_bfloat16")
+    )
+    parser.add_argument("--sdpa", default="default")
+    parser.add_argument("--steps", type=int, default=3, help="Timed steps.")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None, help="Folder for the report.")
+    parser.add_argument("--tag", default="keras_hub_step")
+    return parser.parse_args(argv)
+
+
+def rank():
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def say(text):
+    """Prints a line on process 0."""
+    if rank() == 0:
+        print(text, flush=True)
+
+
+def make_batches(preset, count):
+    """`count` global batches: token ids, next tokens and padding masks.
+
+    Every batch pads the end of its second sequence, so that the attention
+    mask is not all ones.
+    """
+    config = PRESETS[preset]
+    batch, seq = config["batch"], config["seq"]
+    vocab = config["backbone"]["vocabulary_size"]
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(count):
+        tokens = rng.integers(1, vocab, size=(batch, seq + 1), dtype="int32")
+        padding_mask = np.ones((batch, seq), dtype="int32")
+        padding_mask[1, seq - seq // 4 :] = 0
+        x = {"token_ids": tokens[:, :-1], "padding_mask": padding_mask}
+        batches.append((x, tokens[:, 1:], padding_mask))
+    return batches
+
+
+def set_distribution(mode, backbone_class):
+    """Sets the distribution of `mode` (`none`, `dp` or `mp`)."""
+    if mode == "none":
+        keras.distribution.set_distribution(None)
+        return
+    devices = keras.distribution.list_devices()
+    if mode == "dp":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices)
+        )
+        return
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ("batch", "model"), devices
+    )
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=backbone_class.get_layout_map(mesh)
+        )
+    )
+
+
+def build_model(name, preset):
+    """The backbone, then logits from its reversed token embedding."""
+    config = PRESETS[preset]
+    keras.utils.set_random_seed(SEED)
+    extra = config.get(name, {})
+    backbone = BACKBONES[name](**config["backbone"], **extra)
+    logits = backbone.token_embedding(backbone.output, reverse=True)
+    model = keras.Model(backbone.input, logits)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def synchronize():
+    """Waits for the device's queued work (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# Events of a step that read a value on the host (`.item()`, a stream
+# synchronization): on CUDA each waits for the device's queued work.
+SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize")
+
+
+def profiled_step(step):
+    """One call of `step` under `torch.profiler`.
+
+    Returns the `scaled_dot_product` aten ops it ran, the number of its
+    events that wait for the device, and the profiler's table of the ops
+    that took the most time (device time on CUDA).
+    """
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as profiler:
+        step()
+    events = profiler.events()
+    kernels = {
+        event.name
+        for event in events
+        if "scaled_dot_product" in event.name and event.name.startswith("aten")
+    }
+    syncs = sum(event.name in SYNC_EVENTS for event in events)
+    sort_by = (
+        "self_cuda_time_total"
+        if torch.cuda.is_available()
+        else "self_cpu_time_total"
+    )
+    top = profiler.key_averages().table(sort_by=sort_by, row_limit=12)
+    return sorted(kernels), syncs, top
+
+
+def dtensor_layers(model):
+    """Names of the layers that ran on DTensors rather than locally.
+
+    A layer whose watched first call did not prove it local to each batch
+    shard runs on DTensors (`batch_local`); its sublayers are then watched
+    in turn.
+    """
+    from keras.src.backend.torch import batch_local
+
+    layers = [model] + list(model._flatten_layers(include_self=False))
+    return [
+        layer.name
+        for layer in layers
+        if None in batch_local._VERDICTS.get(layer, {}).values()
+    ]
+
+
+def run_steps(model, label, args, batches):
+    """Trains `model` on `batches`; returns its measurements."""
+    losses, times = [], []
+    kernels = syncs = peak = None
+    for index, (x, y, sample_weight) in enumerate(batches):
+        step = functools.partial(
+            model.train_on_batch, x, y, sample_weight=sample_weight
+        )
+        if index == args.warmup and torch.cuda.is_available():
+            synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if index == len(batches) - 1:
+            # The last step runs under the profiler, untimed.
+            kernels, syncs, top = profiled_step(lambda: losses.append(step()))
+            say(f"--- {label}: {syncs} device waits; top ops:\n{top}")
+            continue
+        start = time.perf_counter()
+        losses.append(step())
+        synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if torch.cuda.is_available():
+        synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    return {
+        "losses": [float(loss) for loss in losses],
+        "weights": model.get_weights(),
+        "step_ms": 1000.0 * statistics.median(times) if times else None,
+        "peak_bytes": peak,
+        "kernels": kernels,
+        "device_waits": syncs,
+    }
+
+
+def train(name, mode, args, batches):
+    """Trains one model under `mode`; returns its measurements."""
+    set_distribution(mode, BACKBONES[name])
+    model = build_model(name, args.preset)
+    result = run_steps(model, f"{name} {mode}", args, batches)
+    result["dtensor_layers"] = dtensor_layers(model) if mode != "none" else []
+    keras.distribution.set_distribution(None)
+    model = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def compare(result, reference):
+    """Adds the differences from the run without a distribution."""
+    result["loss_rel_diff"] = max(
+        abs(a - b) / max(abs(b), 1e-12)
+        for a, b in zip(result["losses"], reference["losses"])
+    )
+    result["weight_abs_diff"] = max(
+        float(np.max(np.abs(np.asarray(a, "float64") - b)))
+        for a, b in zip(result["weights"], reference["weights"])
+    )
+    if reference["step_ms"] and result["step_ms"]:
+        result["time_ratio"] = result["step_ms"] / reference["step_ms"]
+    if reference["peak_bytes"] and result["peak_bytes"]:
+        result["memory_ratio"] = result["peak_bytes"] / reference["peak_bytes"]
+
+
+def sdpa_scope(choice):
+    """A scope restricting `scaled_dot_product_attention` to `choice`."""
+    if choice == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[choice]))
+
+
+def run_model(name, args, batches):
+    """The run without a distribution, then each mode; a row per run."""
+    rows = []
+    reference = train(name, "none", args, batches)
+    rows.append({"model": name, "mode": "none", **reference})
+    for mode in args.modes.split(","):
+        row = {"model": name, "mode": mode}
+        try:
+            row.update(train(name, mode, args, batches))
+            compare(row, reference)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            keras.distribution.set_distribution(None)
+            lines = str(error).strip().splitlines() or [""]
+            row["error"] = f"{type(error).__name__}: {lines[0][:300]}"
+            if rank() == 0:
+                traceback.print_exc()
+        rows.append(row)
+    return rows
+
+
+def _cell(value, form):
+    return "-" if value is None else format(value, form)
+
+
+def table(rows):
+    """The report's Markdown table."""
+    lines = [
+        "| model | mode | loss rel. diff | weight abs. diff | step ms "
+        "| × none | peak GiB | × none | device waits | attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(
+                f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
+                "| | | | | | | |"
+            )
+            continue
+        peak = row.get("peak_bytes")
+        kernels = ", ".join(
+            k.replace("aten::", "") for k in row.get("kernels") or []
+        )
+        lines.append(
+            f"| {row['model']} | {row['mode']} "
+            f"| {_cell(row.get('loss_rel_diff'), '.1e')} "
+            f"| {_cell(row.get('weight_abs_diff'), '.1e')} "
+            f"| {_cell(row.get('step_ms'), '.1f')} "
+            f"| {_cell(row.get('time_ratio'), '.2f')} "
+            f"| {_cell(peak / 2**30 if peak else None, '.2f')} "
+            f"| {_cell(row.get('memory_ratio'), '.2f')} "
+            f"| {_cell(row.get('device_waits'), 'd')} "
+            f"| {kernels or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def header(args):
+    """The run's machine, versions and settings."""
+    device = (
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (
+        f"{device}, {world} process(es); torch {torch.__version__}, keras "
+        f"{keras.__version__}, keras-hub {keras_hub.__version__}; preset "
+        f"{args.preset}, {args.precision}, SDPA {args.sdpa}, "
+        f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled"
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    keras.distribution.initialize()
+    keras.mixed_precision.set_global_policy(args.precision)
+    batches = make_batches(args.preset, args.warmup + args.steps + 1)
+    rows = []
+    with sdpa_scope(args.sdpa):
+        for name in args.models.split(","):
+            rows.extend(run_model(name, args, batches))
+    text = f"{header(args)}\n\n{table(rows)}\n"
+    for row in rows:
+        if row.get("dtensor_layers"):
+            names = row["dtensor_layers"]
+            text += (
+                f"\n{row['model']} {row['mode']}: {len(names)} layers ran on "
+                f"DTensors: {', '.join(names[:16])}"
+                + (" ..." if len(names) > 16 else "")
+                + "\n"
+            )
+    say(text)
+    if args.out and rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+            f.write(text)
+        for row in rows:
+            row.pop("weights", None)
+        with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+            json.dump({"header": header(args), "rows": rows}, f, indent=1)
+    failed = any("error" in row for row in rows)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
