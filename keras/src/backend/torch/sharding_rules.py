@@ -68,10 +68,18 @@ refuses.
   replicated and the queries are split. The flash kernel takes no mask;
   torch's own rules stay (`sharding_rules_test` checks them for the
   installed torch).
-- **`scatter_reduce`** (Keras's segment reductions, used by `AUC`): none
-  in DTensor; it runs replicated on the small tensors it gets.
-- **Padding and pooling gradients on `(batch, channels, *spatial)`.**
-  DTensor has rules for the pooling ops but not for some of their
+- **Any other op without a usable rule runs replicated.** Where DTensor
+  has no rule for an op (`scatter_reduce`, which Keras's segment
+  reductions and `AUC` use; `searchsorted`; on torch 2.11, several
+  hundred ops torch 2.13 has rules for, `ne.Tensor` among them), or its
+  rule lays the result out for a mesh of another size (torch 2.11's
+  `constant_pad_nd`: one placement on any mesh), the op runs on
+  gathered inputs, each process computing the whole result: exact, at
+  the cost of the gathers, logged once per op. Ops that write to their
+  inputs or draw random values keep DTensor's error.
+- **Padding and pooling on `(batch, channels, *spatial)`.**
+  Torch 2.11's DTensor has no rule for pooling; torch 2.13's has rules
+  for the pooling ops but not for some of their
   backward ops (average pooling in 2-D and 3-D, max pooling in 3-D,
   adaptive average pooling in 3-D and adaptive max pooling), nor for
   `replicate` and `reflect` padding (Keras pads pooling inputs with
@@ -83,6 +91,9 @@ refuses.
   `RandomRotation`, `RandomZoom`, `RandomTranslation`): none in DTensor
   for a tensor value; the filled tensor keeps any split or replication,
   and the value (one number) is replicated.
+- **`squeeze` of several dimensions and `complex` (torch 2.11).** Torch
+  2.11's DTensor has no rule for either (`ops.squeeze` with a tuple of
+  axes; `ops.istft`): the rules keep a split of the dimensions they keep.
 - **Unbinding a sharded dimension.** Torch's `unbind` rule refuses to
   split a tensor along a dimension it is sharded on ("Attempted to unbind
   along the sharded dimension"). Iterating over a tensor unbinds its
@@ -96,6 +107,7 @@ refuses.
 creates its first mesh, before any DTensor op runs.
 """
 
+import logging
 import math
 
 import torch
@@ -119,6 +131,9 @@ _VIEW_REFUSALS = (
     "would remove or reshape sharded dimension",
     "Cannot flatten unevenly sharded tensor",
     "Cannot unflatten unevenly sharded tensor",
+    # Torch 2.11's words for the uneven cases.
+    "Attempted to flatten unevenly sharded dimension",
+    "Attempted to split the sharded dimension",
 )
 # What torch's `view` rule says where it cannot split a `_StridedShard`.
 _STRIDED_UNFLATTEN_REFUSAL = (
@@ -128,6 +143,15 @@ _STRIDED_UNFLATTEN_REFUSAL = (
 _UNBIND_REFUSAL = "Attempted to unbind along the sharded dimension"
 # Whether `register` ran.
 _REGISTERED = False
+# The rules `register` added where this torch's DTensor had none, by op.
+_ADDED_RULES = {}
+# What DTensor says where it has no rule for an op.
+_NO_RULE = "does not have a sharding strategy registered"
+# The ops found with no usable rule, which run replicated
+# (`_register_replicated_fallback`).
+_REPLICATED_OPS = set()
+
+logger = logging.getLogger(__name__)
 
 
 def register():
@@ -136,21 +160,20 @@ def register():
     if _REGISTERED:
         return
     _REGISTERED = True
+    _ADDED_RULES.update(_missing_rules())
     register_sharding(
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     )(_cpu_attention_sharding)
     register_sharding(
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     )(_cpu_attention_backward_sharding)
-    register_sharding(torch.ops.aten.scatter_reduce.two)(
-        _scatter_reduce_sharding
-    )
     for op, rule in _cuda_attention_rules().items():
         register_sharding(op)(rule)
-    for op, rule in _missing_rules().items():
+    for op, rule in _ADDED_RULES.items():
         register_sharding(op)(rule)
     _register_view_fallbacks()
     _register_unbind_fallback()
+    _register_replicated_fallback()
 
 
 def _cuda_attention_rules():
@@ -173,18 +196,39 @@ def _cuda_attention_rules():
 
 
 def _missing_rules():
-    """Rules of the ops below that this torch's DTensor has none for.
+    """The rules of `_fallback_rules` whose op this torch's DTensor has no
+    rule for."""
+    return {
+        op: rule for op, rule in _fallback_rules().items() if not _has_rule(op)
+    }
+
+
+def _fallback_rules():
+    """Rules of the ops below, for the torch releases whose DTensor has
+    none.
 
     Spatial ops on `(batch, channels, *spatial)` tensors, by spatial
-    rank: padding (forward and backward) and the backward ops of pooling;
-    and `fill` with a tensor value. An op DTensor has a rule for keeps
-    it.
+    rank: padding and pooling, forward and backward (torch 2.11's DTensor
+    has no pooling rule at all; 2.13's lacks some backward ops and
+    padding); `fill` with a tensor value; and two ops torch 2.11 lacks,
+    `squeeze` of several dimensions (`ops.squeeze` with a tuple of axes)
+    and `complex` (`ops.istft`).
     """
     aten = torch.ops.aten
     spatial = {
+        aten.avg_pool2d.default: 2,
+        aten.avg_pool3d.default: 3,
+        aten.max_pool2d_with_indices.default: 2,
+        aten.max_pool3d_with_indices.default: 3,
+        aten._adaptive_avg_pool2d.default: 2,
+        aten._adaptive_avg_pool3d.default: 3,
+        aten.adaptive_max_pool2d.default: 2,
+        aten.adaptive_max_pool3d.default: 3,
         aten.avg_pool2d_backward.default: 2,
         aten.avg_pool3d_backward.default: 3,
+        aten.max_pool2d_with_indices_backward.default: 2,
         aten.max_pool3d_with_indices_backward.default: 3,
+        aten._adaptive_avg_pool2d_backward.default: 2,
         aten._adaptive_avg_pool3d_backward.default: 3,
         aten.adaptive_max_pool2d_backward.default: 2,
         aten.adaptive_max_pool3d_backward.default: 3,
@@ -194,10 +238,15 @@ def _missing_rules():
             spatial[getattr(aten, f"{kind}_pad{rank}d").default] = rank
             backward = getattr(aten, f"{kind}_pad{rank}d_backward")
             spatial[backward.default] = rank
-    rules = {op: _spatial_sharding(rank) for op, rank in spatial.items()}
+    rules = {
+        op: _spatial_sharding(rank, len(op._schema.returns))
+        for op, rank in spatial.items()
+    }
     rules[aten.fill_.Tensor] = _fill_sharding
     rules[aten.fill.Tensor] = _fill_sharding
-    return {op: rule for op, rule in rules.items() if not _has_rule(op)}
+    rules[aten.squeeze.dims] = _squeeze_dims_sharding
+    rules[aten.complex.default] = _complex_sharding
+    return rules
 
 
 def _has_rule(op):
@@ -213,11 +262,12 @@ def _has_rule(op):
     )
 
 
-def _spatial_sharding(spatial_rank):
+def _spatial_sharding(spatial_rank, num_outputs):
     """The rule of an op that computes each batch element's channels
     alone, on tensors laid out `(batch, channels, *spatial)` (or
-    `(channels, *spatial)` unbatched): every tensor, in and out, split
-    along the batch, or along the channels, or replicated."""
+    `(channels, *spatial)` unbatched): every tensor, in and out (there are
+    `num_outputs`: max pooling also returns its indices), split along the
+    batch, or along the channels, or replicated."""
 
     def rule(*args, **kwargs):
         values = (*args, *kwargs.values())
@@ -226,7 +276,10 @@ def _spatial_sharding(spatial_rank):
         if tensors[0].ndim >= spatial_rank + 2:
             placements.append(Shard(1))
         return [
-            ([p], [p if isinstance(v, DTensorSpec) else None for v in values])
+            (
+                [p] * num_outputs,
+                [p if isinstance(v, DTensorSpec) else None for v in values],
+            )
             for p in placements
         ]
 
@@ -238,6 +291,27 @@ def _fill_sharding(self, value):
     split or replication; the value, one number, is replicated."""
     placements = [Replicate()] + [Shard(dim) for dim in range(self.ndim)]
     return [([p], [p, Replicate()]) for p in placements]
+
+
+def _squeeze_dims_sharding(self, dims):
+    """Rule of `squeeze` of several dimensions: replicated, or split along
+    a dimension it keeps (renumbered without the removed ones).
+
+    Only dimensions of size 1 are removed; `squeeze` keeps the others.
+    """
+    removed = {d % self.ndim for d in dims if self.shape[d] == 1}
+    kept = [d for d in range(self.ndim) if d not in removed]
+    strategies = [([Replicate()], [Replicate(), None])]
+    for new_dim, dim in enumerate(kept):
+        strategies.append(([Shard(new_dim)], [Shard(dim), None]))
+    return strategies
+
+
+def _complex_sharding(real, imag):
+    """Rule of `complex`, elementwise: both parts and the result
+    replicated, or split along the same dimension."""
+    placements = [Replicate()] + [Shard(dim) for dim in range(real.ndim)]
+    return [([p], [p, p]) for p in placements]
 
 
 def _register_view_fallbacks():
@@ -604,14 +678,101 @@ def _mask_splits(mask_shape, dim):
     return len(mask_shape) == 4 and mask_shape[dim] > 1
 
 
-def _scatter_reduce_sharding(self, dim, index, src, reduce, *args, **kwargs):
-    """Sharding rule of `scatter_reduce`, which DTensor lacks: replicated.
+def _register_replicated_fallback():
+    """Sharding propagation that runs replicated an op with no usable rule.
 
-    Keras's segment reductions (used by `AUC`) call it on small tensors.
+    Where DTensor has no rule for an op ("does not have a sharding
+    strategy registered"), or its rule gives placements that do not fit
+    the mesh (torch 2.11's `constant_pad_nd` gives one placement on any
+    mesh), the op gets a rule that replicates every input and output: each
+    process computes the whole op on gathered inputs. The values are
+    exact; the inputs' gathers are the cost, logged once per op. Ops that
+    write to their inputs, draw random values, take lists of tensors or
+    return anything but tensors keep DTensor's error.
     """
-    specs = [Replicate(), None, Replicate(), Replicate(), None]
-    specs += [
-        Replicate() if isinstance(v, DTensorSpec) else None
-        for v in (*args, *kwargs.values())
-    ]
-    return [([Replicate()], specs)]
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagate = propagator.propagate_op_sharding_non_cached
+    if getattr(propagate, "keras_replicated_fallback", False):
+        return
+
+    def propagate_or_replicate(op_schema):
+        op = op_schema.op
+        try:
+            sharding = propagate(op_schema)
+        except NotImplementedError as error:
+            if _NO_RULE not in str(error) or not _runs_replicated(op):
+                raise
+        else:
+            fits = _fits_the_mesh(sharding.output_spec)
+            if fits or not _runs_replicated(op):
+                return sharding
+        _replicate(op)
+        return propagate(op_schema)
+
+    propagate_or_replicate.keras_replicated_fallback = True
+    propagator.propagate_op_sharding_non_cached = propagate_or_replicate
+    propagator.propagate_op_sharding = type(propagator.propagate_op_sharding)(
+        propagate_or_replicate
+    )
+
+
+def _replicate(op):
+    """Gives `op` the all-replicated rule, in place of any other, and
+    says so once."""
+    logger.info(
+        "DTensor has no usable sharding rule for %s: it runs replicated, "
+        "its inputs gathered on every process.",
+        op,
+    )
+    _REPLICATED_OPS.add(op)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    getattr(propagator, "op_single_dim_strategy_funcs", {}).pop(op, None)
+    register_sharding(op)(_replicated_sharding(len(op._schema.returns)))
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def _replicated_sharding(num_outputs):
+    """The rule of an op whose tensors, in and out, are all replicated."""
+
+    def rule(*args, **kwargs):
+        values = (*args, *kwargs.values())
+        specs = [
+            Replicate() if isinstance(v, DTensorSpec) else None for v in values
+        ]
+        return [([Replicate()] * num_outputs, specs)]
+
+    return rule
+
+
+def _runs_replicated(op):
+    """Whether `op` can run replicated: it writes to none of its inputs,
+    draws no random values, takes no list of tensors, and returns tensors
+    only."""
+    schema = op._schema
+    if schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    if any(_is_tensor_list(argument.type) for argument in schema.arguments):
+        return False
+    return bool(schema.returns) and all(
+        isinstance(value.type, torch.TensorType) for value in schema.returns
+    )
+
+
+def _is_tensor_list(value_type):
+    """Whether an argument's type is a list of (optional) tensors."""
+    if isinstance(value_type, torch.OptionalType):
+        value_type = value_type.getElementType()
+    return isinstance(value_type, torch.ListType) and "Tensor" in str(
+        value_type.getElementType()
+    )
+
+
+def _fits_the_mesh(output_spec):
+    """Whether every output spec has one placement per mesh axis."""
+    if not isinstance(output_spec, (tuple, list)):
+        output_spec = [output_spec]
+    return all(
+        len(spec.placements) == spec.mesh.ndim
+        for spec in output_spec
+        if isinstance(spec, DTensorSpec)
+    )

@@ -321,6 +321,11 @@ SPATIAL_OPS = {
         (2, 3, 6, 6),
         pooled(lambda x: F.adaptive_max_pool2d(x, 3)),
     ),
+    "max_pool2d": ((2, 3, 6, 6), pooled(lambda x: F.max_pool2d(x, 2))),
+    "adaptive_avg_pool2d": (
+        (2, 3, 6, 6),
+        pooled(lambda x: F.adaptive_avg_pool2d(x, 3)),
+    ),
     "replicate_pad1d": (
         (2, 3, 5),
         pooled(lambda x: F.pad(x, (1, 2), mode="replicate")),
@@ -384,13 +389,76 @@ class MissingRulesTest(testing.TestCase):
             self.assertEqual(x.placements, (placement,))
             self.assertAllClose(x.full_tensor().numpy(), np.full((4, 3), 2.5))
 
+    def test_squeeze_of_several_dimensions_keeps_the_split(self):
+        value = np.arange(24.0, dtype="float32").reshape(4, 1, 6, 1)
+        for placement, expected in (
+            (Shard(0), Shard(0)),
+            (Shard(2), Shard(1)),
+            (Replicate(), Replicate()),
+        ):
+            x = distribute_tensor(
+                torch.from_numpy(value), self.mesh, [placement]
+            )
+            got = torch.squeeze(x, (1, 3))
+            self.assertEqual(got.placements, (expected,))
+            self.assertAllClose(got.full_tensor().numpy(), value.reshape(4, 6))
+
+    def test_squeeze_rule_renumbers_the_kept_dimensions(self):
+        """The rule itself (torch 2.13 has its own; 2.11 takes this one):
+        only dimensions of size 1 go, and a split follows its dimension."""
+        spec = self.spec((4, 1, 6, 3))
+        strategies = sharding_rules._squeeze_dims_sharding(spec, [1, -1])
+        self.assertEqual(
+            [(out[0], inputs[0]) for out, inputs in strategies],
+            [
+                (Replicate(), Replicate()),
+                (Shard(0), Shard(0)),
+                (Shard(1), Shard(2)),
+                (Shard(2), Shard(3)),
+            ],
+        )
+
+    def test_complex_keeps_the_split(self):
+        real = np.arange(12.0, dtype="float32").reshape(4, 3)
+        for placement in (Shard(0), Shard(1), Replicate()):
+            parts = [
+                distribute_tensor(torch.from_numpy(v), self.mesh, [placement])
+                for v in (real, -real)
+            ]
+            got = torch.complex(*parts)
+            self.assertEqual(got.placements, (placement,))
+            self.assertAllClose(got.full_tensor().numpy(), real - 1j * real)
+        rule = sharding_rules._complex_sharding(
+            self.spec((4, 3)), self.spec((4, 3))
+        )
+        self.assertIn(([Shard(1)], [Shard(1), Shard(1)]), rule)
+
+    def spec(self, shape):
+        strides = torch.empty(shape).stride()
+        meta = TensorMeta(torch.Size(shape), strides, torch.float32)
+        return DTensorSpec(self.mesh, (Replicate(),), meta)
+
     def test_rules_torch_has_are_kept(self):
+        """Each fallback op has a rule after `register`: this module's
+        exactly where torch had none (`_ADDED_RULES`), torch's elsewhere.
+        Torch 2.13 has its own for every pooling op, 2.11 for none."""
         propagator = sharding_rules.DTensor._op_dispatcher.sharding_propagator
-        self.assertEqual(sharding_rules._missing_rules(), {})
-        # Torch's own single-dimension rule for 2-D max pooling's backward.
+        for op in sharding_rules._fallback_rules():
+            rule = propagator.op_strategy_funcs.get(op)
+            added = getattr(rule, "args", (None,))[0]
+            if op in sharding_rules._ADDED_RULES:
+                self.assertIs(added, sharding_rules._ADDED_RULES[op], op)
+            else:
+                self.assertTrue(sharding_rules._has_rule(op), op)
+                self.assertNotIn(
+                    added, set(sharding_rules._fallback_rules().values()), op
+                )
+        # Torch's own single-dimension rule for 2-D max pooling's backward,
+        # where it has one.
         op = torch.ops.aten.max_pool2d_with_indices_backward.default
-        self.assertIn(op, propagator.op_single_dim_strategy_funcs)
-        self.assertNotIn(op, propagator.op_strategy_funcs)
+        if op in getattr(propagator, "op_single_dim_strategy_funcs", {}):
+            self.assertNotIn(op, sharding_rules._ADDED_RULES)
+            self.assertNotIn(op, propagator.op_strategy_funcs)
 
 
 class UnbindFallbackTest(testing.TestCase):
@@ -605,3 +673,109 @@ class CudaAttentionRulesTest(testing.TestCase):
                 "torch.distributed.tensor._ops._matrix_ops",
                 op,
             )
+
+
+class ReplicatedFallbackTest(testing.TestCase):
+    """Ops without a usable rule run replicated, exactly; ops that write
+    to their inputs or draw random values keep DTensor's error."""
+
+    def setUp(self):
+        super().setUp()
+        sharding_rules.register()
+        self.propagator = DTensor._op_dispatcher.sharding_propagator
+
+    def mesh(self, shape):
+        names = ("batch", "model")[: len(shape)]
+        return distribution_api.DeviceMesh(shape, names, ["cpu:0"]).backend_mesh
+
+    def test_an_op_without_a_rule_runs_replicated(self):
+        mesh = self.mesh((1,))
+        edges = torch.tensor([[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]])
+        values = torch.tensor([[1.0, 4.5], [0.5, 3.0]])
+        expected = torch.searchsorted(edges, values)
+        with self.assertLogs(sharding_rules.logger, "INFO") as logs:
+            got = torch.searchsorted(
+                distribute_tensor(edges, mesh, [Shard(0)]),
+                distribute_tensor(values, mesh, [Shard(1)]),
+            )
+        self.assertIn("aten.searchsorted.Tensor", logs.output[0])
+        self.assertIn("runs replicated", logs.output[0])
+        self.assertEqual(got.placements, (Replicate(),))
+        self.assertAllClose(got.full_tensor().numpy(), expected.numpy())
+        self.assertIn(
+            torch.ops.aten.searchsorted.Tensor, sharding_rules._REPLICATED_OPS
+        )
+
+    def test_scatter_reduce_runs_replicated(self):
+        """Keras's segment reductions (`AUC`) take `scatter_reduce`."""
+        mesh = self.mesh((1,))
+        data = torch.arange(6.0)
+        ids = torch.tensor([0, 1, 0, 2, 1, 0])
+        expected = torch.zeros(3).scatter_reduce(0, ids, data, "sum")
+        got = distribute_tensor(torch.zeros(3), mesh, [Replicate()])
+        got = got.scatter_reduce(
+            0,
+            distribute_tensor(ids, mesh, [Shard(0)]),
+            distribute_tensor(data, mesh, [Shard(0)]),
+            "sum",
+        )
+        self.assertEqual(got.placements, (Replicate(),))
+        self.assertAllClose(got.full_tensor().numpy(), expected.numpy())
+
+    def test_a_rule_blind_to_the_mesh_runs_replicated(self):
+        """Torch 2.11's `constant_pad_nd` rule gives one placement on any
+        mesh ("(Replicate(),) != (1, 2)" in `MelSpectrogram` and
+        `RandomRotation` on a (1, 2) mesh); stood in for here."""
+        op = torch.ops.aten.constant_pad_nd.default
+
+        def blind_rule(op_schema):
+            mesh = op_schema.get_mesh_from_args(validate=False)
+            spec = DTensorSpec(mesh, (Replicate(),))
+            return OpStrategy(
+                [OpSpec(spec, input_specs=(spec,), redistribute_cost=[[1]])]
+            )
+
+        single_dim = getattr(
+            self.propagator, "op_single_dim_strategy_funcs", {}
+        )
+        with (
+            mock.patch.dict(
+                self.propagator.op_strategy_funcs, {op: blind_rule}
+            ),
+            mock.patch.dict(single_dim),
+            mock.patch.dict(self.propagator.op_to_schema_info),
+        ):
+            single_dim.pop(op, None)
+            self.propagator.propagate_op_sharding.cache_clear()
+            value = torch.arange(12.0).reshape(3, 4)
+            x = distribute_tensor(
+                value, self.mesh((1, 1)), [Shard(0), Replicate()]
+            )
+            got = F.pad(x, (1, 2))
+            self.assertEqual(got.placements, (Replicate(), Replicate()))
+            self.assertAllClose(
+                got.full_tensor().numpy(), F.pad(value, (1, 2)).numpy()
+            )
+        sharding_rules._REPLICATED_OPS.discard(op)
+        self.propagator.propagate_op_sharding.cache_clear()
+
+    def test_which_ops_can_run_replicated(self):
+        aten = torch.ops.aten
+        self.assertTrue(sharding_rules._runs_replicated(aten.ne.Tensor))
+        self.assertTrue(
+            sharding_rules._runs_replicated(aten.searchsorted.Tensor)
+        )
+        # Writes to its input; draws random values; takes a list of
+        # tensors; returns a list.
+        self.assertFalse(sharding_rules._runs_replicated(aten.add_.Tensor))
+        self.assertFalse(sharding_rules._runs_replicated(aten.bernoulli.p))
+        self.assertFalse(sharding_rules._runs_replicated(aten.cat.default))
+        self.assertFalse(sharding_rules._runs_replicated(aten.unbind.int))
+
+    def test_register_wraps_once(self):
+        propagate = self.propagator.propagate_op_sharding_non_cached
+        self.assertTrue(propagate.keras_replicated_fallback)
+        sharding_rules._register_replicated_fallback()
+        self.assertIs(
+            self.propagator.propagate_op_sharding_non_cached, propagate
+        )
