@@ -19,6 +19,7 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _MaskPartial
@@ -402,35 +403,29 @@ def _attention(mode, func, args, kwargs):
 
 
 def _convolution(mode, func, args, kwargs):
-    """Convolutions with the weight and bias whole, and the input split
-    along the batch at most.
+    """A convolution of a batch, each process on its rows.
 
-    Torch 2.13's DTensor convolution runs on the local shards of its
-    arguments without redistributing them, and lays the result out like
-    the input: with a weight split over a mesh axis (a kernel's output
-    channels laid out over "model"), the result's local tensor holds only
-    some channels under the global shape of all of them, and the next
-    operator fails ("The size of tensor a (4) must match the size of
-    tensor b (8)"); an input split along its channels would be taken for
-    whole. The weight and bias are gathered (replicated) first, and the
-    input on every mesh axis that does not split its batch dimension.
-    Their gradients go back to the shards through DTensor's
-    redistribution. No plain tensor is involved, so
-    `implicit_replication` does not apply.
+    DTensor's convolution cannot be trusted with a split argument: torch
+    2.13's runs on the local shards of its arguments without
+    redistributing them and lays the result out like the input (with a
+    weight split over a mesh axis, a kernel's output channels laid out
+    over "model", the result's local tensor holds only some channels
+    under the global shape of all of them, and the next operator fails:
+    "The size of tensor a (4) must match the size of tensor b (8)");
+    torch 2.11's refuses most convolutions outright, even of a batch
+    split along its rows ("It requires that input_size[-1] is divisible
+    by stride[-1] and stride[-1] equals kernel_size[-1]", a 3 x 3
+    "valid" convolution). A convolution transforms each element of a
+    batch alone: each process convolves its rows (`_call_on_local_rows`),
+    the input split along the batch at most, the weight and bias
+    gathered whole, their gradients partial sums over the processes that
+    split the batch. An unbatched input (one dimension fewer than the
+    weight) is convolved whole.
     """
-    args = list(args)
-    if args:
-        args[0] = _split_along_the_batch_at_most(args[0])
-    elif "input" in kwargs:
-        kwargs = dict(
-            kwargs, input=_split_along_the_batch_at_most(kwargs["input"])
-        )
-    for index, name in ((1, "weight"), (2, "bias")):
-        if len(args) > index:
-            args[index] = _replicated(args[index])
-        elif name in kwargs:
-            kwargs = dict(kwargs, **{name: _replicated(kwargs[name])})
-    return func(*args, **kwargs)
+    value = args[0] if args else kwargs.get("input")
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    batched = weight is None or value.ndim == weight.ndim
+    return _call_on_local_rows(func, (0,) if batched else (), args, kwargs)
 
 
 def _contiguous(mode, func, args, kwargs):
@@ -507,7 +502,9 @@ def _call_on_local_rows(func, rows, args, kwargs):
     dimension (or hold a partial sum), every other DTensor argument is
     replicated, and the local result is laid out as the first argument,
     its dimensions `rows` being the first argument's. The gradient goes
-    back through the same layouts. A plain tensor argument may hold a
+    back through the same layouts; the gradient of another argument (a
+    convolution's weight) is a partial sum over the mesh axes that split
+    the first one. A plain tensor argument may hold a
     process's own values: the call is then left to DTensor, and
     `implicit_replication` is not needed.
     """
@@ -525,8 +522,16 @@ def _call_on_local_rows(func, rows, args, kwargs):
     if placements != list(value.placements):
         value = value.redistribute(value.device_mesh, placements)
     kwargs = {k: v for k, v in kwargs.items() if k not in _FIRST}
+    # Each process's gradient of another argument is its rows' part.
+    grad_placements = [
+        Partial() if p.is_shard() else Replicate() for p in placements
+    ]
     others, kwargs = tree.map_structure(
-        lambda x: _replicated(x).to_local() if isinstance(x, DTensor) else x,
+        lambda x: (
+            _replicated(x).to_local(grad_placements=grad_placements)
+            if isinstance(x, DTensor)
+            else x
+        ),
         (args[1:], kwargs),
     )
     result = func(value.to_local(), *others, **kwargs).contiguous()
@@ -542,19 +547,6 @@ def _call_on_local_rows(func, rows, args, kwargs):
         shape=torch.Size(shape),
         stride=contiguous_strides(shape),
     )
-
-
-def _split_along_the_batch_at_most(value):
-    """`value`, replicated on the mesh axes that do not split dimension 0."""
-    if not isinstance(value, DTensor):
-        return value
-    placements = [
-        p if p.is_replicate() or p.is_shard(0) else Replicate()
-        for p in value.placements
-    ]
-    if placements == list(value.placements):
-        return value
-    return value.redistribute(value.device_mesh, placements)
 
 
 def _replicated(value):
@@ -715,7 +707,8 @@ _RANDOM_FUNCTIONS = (
     torch.randint_like,
     torch.randn_like,
 )
-# Convolutions, whose DTensor rule ignores the weight's placements.
+# Convolutions, which DTensor runs wrongly (2.13) or refuses (2.11) on a
+# split argument.
 _CONVOLUTIONS = (
     torch.conv1d,
     torch.conv2d,

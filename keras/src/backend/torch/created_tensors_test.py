@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -225,11 +226,11 @@ class ConvolutionTest(testing.TestCase):
             distribute_tensor(self.b, mesh, [Replicate(), Shard(0)]),
         )
 
-    def test_arguments_are_laid_out_before_the_convolution(self):
+    def test_each_process_convolves_its_rows(self):
         seen = []
 
         def convolution(x, weight, bias=None, **kwargs):
-            seen.append((x.placements, weight.placements, bias.placements))
+            seen.append([(type(t), tuple(t.shape)) for t in (x, weight, bias)])
             return torch.conv2d(x, weight, bias, **kwargs)
 
         handler = created_tensors._HANDLERS[torch.conv2d]
@@ -242,16 +243,36 @@ class ConvolutionTest(testing.TestCase):
                 self.inputs[:1],
                 {"weight": self.inputs[1], "bias": self.inputs[2]},
             )
-        batch_only = (Shard(0), Replicate())
-        whole = (Replicate(), Replicate())
-        self.assertEqual(seen, [(batch_only, whole, whole)] * 2)
-        self.assertEqual(out.placements, batch_only)
+        # Plain local tensors: this process's rows, the weight and bias
+        # whole (gathered from their split over "model").
+        local = [
+            (torch.Tensor, (2, 4, 6, 6)),
+            (torch.Tensor, (8, 4, 3, 3)),
+            (torch.Tensor, (8,)),
+        ]
+        self.assertEqual(seen, [local] * 2)
+        self.assertEqual(out.placements, (Shard(0), Replicate()))
         self.assertAllClose(
             out.full_tensor().numpy(),
             torch.conv2d(self.x, self.w, self.b, padding=1).numpy(),
             atol=1e-5,
         )
         self.assertEqual(tuple(by_keywords.shape), (2, 8, 4, 4))
+
+    def test_a_valid_convolution_torch_2_11_refused(self):
+        """Torch 2.11's DTensor convolution refused a 3 x 3 "valid"
+        convolution of a batch split along its rows."""
+        x = distribute_tensor(
+            self.x, self.mesh.backend_mesh, [Shard(0), Replicate()]
+        )
+        with created_tensors.replicate_created_tensors(self.mesh):
+            out = torch.nn.functional.conv2d(x, self.inputs[1], self.inputs[2])
+        self.assertEqual(out.placements, (Shard(0), Replicate()))
+        self.assertAllClose(
+            out.full_tensor().numpy(),
+            torch.conv2d(self.x, self.w, self.b).numpy(),
+            atol=1e-5,
+        )
 
     def test_every_convolution_has_the_handler(self):
         for func in (
@@ -277,6 +298,24 @@ class ConvolutionTest(testing.TestCase):
             self.assertAllClose(
                 got.grad.full_tensor().numpy(), expected.grad.numpy(), atol=1e-4
             )
+
+    def test_weight_gradients_are_partial_sums_over_the_batch_split(self):
+        """Each process's gradient of the (replicated) weight and bias is
+        its rows' part: a partial sum over the axis that splits the
+        batch, a whole one over the other."""
+        mesh = self.mesh.backend_mesh
+        x = distribute_tensor(self.x, mesh, [Shard(0), Replicate()])
+        w, b = (
+            distribute_tensor(t, mesh, [Replicate(), Replicate()])
+            .detach()
+            .requires_grad_()
+            for t in (self.w, self.b)
+        )
+        with created_tensors.replicate_created_tensors(self.mesh):
+            out = torch.nn.functional.conv2d(x, w, b)
+        (out.full_tensor() ** 2).sum().backward()
+        for got in (w, b):
+            self.assertEqual(got.grad.placements, (Partial(), Replicate()))
 
 
 class ContiguousTest(testing.TestCase):
