@@ -483,6 +483,25 @@ def test_evaluate_and_predict_match_single_device(case):
         )
 
 
+def test_custom_training_loop_matches_single_device(case):
+    """A training loop written by hand, whose loss and metric get the
+    targets as arrays, trains as one process does."""
+    reports, ref = case
+    for report in reports:
+        np.testing.assert_allclose(
+            report["custom_loop_losses"],
+            ref["custom_loop_losses"],
+            rtol=LOSS_RTOL,
+        )
+        assert report["custom_loop_accuracy"] == pytest.approx(
+            ref["custom_loop_accuracy"], abs=1e-7
+        )
+        for update, expected in zip(
+            report["custom_loop_updates"], ref["custom_loop_updates"]
+        ):
+            np.testing.assert_allclose(update, expected, atol=1e-6)
+
+
 def test_shuffled_training_logs_the_same_losses_on_all_ranks(launches):
     _, reports = launches
     ranks = [harness.run_values(report, SHUFFLED) for report in reports[2]]

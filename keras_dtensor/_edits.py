@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 from keras_dtensor import _saving_edits
 
@@ -681,15 +682,80 @@ def edit_layer_call_distributes_inputs(layer_module):
         ):
             return upstream_call(self, *args, **kwargs)
         distribution_lib.check_model_distributed(self, distribution)
-        args, kwargs = distribution_lib.distribute_data(
-            (args, kwargs), distribution
+        return distribution_lib.call_on_global_batch(
+            functools.partial(upstream_call, self), args, kwargs, distribution
         )
-        with distribution_lib.replicate_created_tensors(
-            distribution.device_mesh
-        ):
-            return upstream_call(self, *args, **kwargs)
 
     layer_module.Layer.__call__ = __call__
+
+
+def _on_global_batch(upstream_method):
+    """`upstream_method`, distributing what a direct call passes it.
+
+    Under a distribution, a call made outside a step (and outside another
+    direct call, and the local calls of either) with no symbolic argument
+    runs through
+    `call_on_global_batch`; every other call is upstream's.
+    """
+    current_distribution = distribution_accessor()
+    from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+
+    def method(self, *args, **kwargs):
+        distribution = current_distribution()
+        if distribution is None:
+            return upstream_method(self, *args, **kwargs)
+        distribution_lib = _torch_distribution_lib()
+        if distribution_lib.in_step_context() or (
+            any_symbolic_tensors(args, kwargs)
+        ):
+            return upstream_method(self, *args, **kwargs)
+        return distribution_lib.call_on_global_batch(
+            functools.partial(upstream_method, self), args, kwargs, distribution
+        )
+
+    return functools.wraps(upstream_method)(method)
+
+
+def edit_loss_call_distributes_inputs(loss_module):
+    """A direct call of a loss takes the global batch.
+
+    In a custom training loop, `loss_fn(y, model(x))` meets the model's
+    distributed output with the targets as the user holds them: under a
+    distribution, outside a step, `Loss.__call__` distributes arrays and
+    plain tensors on entry as a model's direct call does
+    (`call_on_global_batch`).
+    """
+    if not _is_torch_backend():
+        return
+    loss_module.Loss.__call__ = _on_global_batch(loss_module.Loss.__call__)
+
+
+def edit_metric_update_distributes_inputs(metric_module):
+    """A direct update of a metric takes the global batch.
+
+    Every metric's `update_state` is wrapped when the metric is made (as
+    `Layer.__new__` wraps `build`): under a distribution, outside a step,
+    it distributes arrays and plain tensors on entry as a model's direct
+    call does (`call_on_global_batch`). A metric's other methods, and its
+    updates inside a step, are upstream's.
+    """
+    if not _is_torch_backend():
+        return
+    metric_class = metric_module.Metric
+    upstream_new = metric_class.__new__
+
+    def __new__(cls, *args, **kwargs):
+        if upstream_new is object.__new__:
+            metric = upstream_new(cls)
+        else:
+            metric = upstream_new(cls, *args, **kwargs)
+        update_state = _on_global_batch(type(metric).update_state)
+        object.__setattr__(
+            metric, "update_state", types.MethodType(update_state, metric)
+        )
+        return metric
+
+    metric_class.__new__ = __new__
 
 
 def edit_data_adapter_auto_shard(data_adapters):
@@ -1214,11 +1280,19 @@ POST_IMPORT_EDITS = {
         edit_layer_call_distributes_inputs,
         edit_layer_build_replicates_created_tensors,
     ],
+    # Before `losses`: its `LossFunctionWrapper` edit calls the edited
+    # `Loss.__call__` when the mount is armed after keras is imported.
+    "keras.src.losses.loss": lambda: [
+        edit_loss_reduction_on_local_tensors,
+        edit_loss_call_distributes_inputs,
+    ],
     "keras.src.losses.losses": lambda: [
         edit_loss_call_runs_batch_local,
         edit_loss_wrapper_runs_whole_on_local_tensors,
     ],
-    "keras.src.losses.loss": lambda: [edit_loss_reduction_on_local_tensors],
+    "keras.src.metrics.metric": lambda: [
+        edit_metric_update_distributes_inputs
+    ],
     "keras.src.metrics.reduction_metrics": lambda: [
         edit_metric_update_on_local_tensors
     ],

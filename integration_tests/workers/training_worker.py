@@ -438,6 +438,48 @@ def train(run):
     direct = model(x_local[: batch_size(run)])
     run.record("direct_call", keras.ops.convert_to_numpy(direct))
     run.record("local_layers", local_layer_names(model))
+    custom_training_loop(run, model, x_local, y_local)
+
+
+def custom_training_loop(run, model, x, y):
+    """Two steps of a training loop written by hand, as Keras's guide for
+    PyTorch writes one.
+
+    The loss and a metric are called directly on the model's output and
+    the targets as this process holds them: the global batch, here of an
+    uneven 5 rows (or, with `local`, this process's part of a whole one). Records
+    each step's loss, the metric's result and what the two steps changed
+    in the weights.
+    """
+    import torch
+
+    # `local` passes whole global batches: its reference too.
+    rows = batch_size(run) if "local" in run.extra else BATCH_SIZE - 3
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+    optimizer = keras.optimizers.SGD(0.05)
+    before = model.get_weights()
+    losses = []
+    for step in range(2):
+        start = step * batch_size(run)
+        logits = model(x[start : start + rows], training=True)
+        loss = loss_fn(y[start : start + rows], logits)
+        model.zero_grad()
+        loss.backward()
+        weights = model.trainable_weights
+        with torch.no_grad():
+            optimizer.apply([w.value.grad for w in weights], weights)
+        accuracy.update_state(y[start : start + rows], logits)
+        losses.append(float(keras.ops.convert_to_numpy(loss)))
+    run.record("custom_loop_losses", losses)
+    run.record(
+        "custom_loop_accuracy",
+        float(keras.ops.convert_to_numpy(accuracy.result())),
+    )
+    run.record(
+        "custom_loop_updates",
+        [(a - b).tolist() for a, b in zip(model.get_weights(), before)],
+    )
 
 
 def local_layer_names(model):

@@ -22,12 +22,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch.dtensor_layouts import contiguous_strides
+from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
 
 # Whether `replicate_created_tensors` is active, per thread.
 _STATE = threading.local()
@@ -134,6 +137,12 @@ def replicating_created_tensors():
     return getattr(_STATE, "active", False)
 
 
+def in_step_context():
+    """Whether `replicate_created_tensors` is open on this thread, even
+    where a local call has `suspended` its mode."""
+    return getattr(_STATE, "mode", None) is not None
+
+
 def current_mode():
     """The mode of `replicate_created_tensors`, if it is the innermost one.
 
@@ -211,9 +220,21 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         return value
 
     def replicate(self, value):
-        """`value` (the same on every process) as a replicated DTensor."""
-        return DTensor.from_local(
-            value, self.mesh, self.replicated, run_check=False
+        """`value` (the same on every process) as a replicated DTensor.
+
+        A value that needs no gradient is wrapped without an autograd
+        function (`dtensor_from_spec`): one, `DTensor.from_local`'s, cannot
+        run under `torch.vmap`, where Keras's `vectorized_map` (multi-label
+        `AUC`) creates tensors.
+        """
+        if value.requires_grad:
+            return DTensor.from_local(
+                value, self.mesh, self.replicated, run_check=False
+            )
+        meta = TensorMeta(value.shape, value.stride(), value.dtype)
+        return dtensor_from_spec(
+            value,
+            DTensorSpec(self.mesh, tuple(self.replicated), tensor_meta=meta),
         )
 
     def draws_locally(self, args):
@@ -293,6 +314,13 @@ class _CompiledReplicateCreatedTensors(_ReplicateCreatedTensors):
         ):
             return _reduce_lookup_result(value)
         return value
+
+    def replicate(self, value):
+        """`value` as a replicated DTensor, made by `from_local`, which
+        Dynamo traces (it does not trace a spec built here)."""
+        return DTensor.from_local(
+            value, self.mesh, self.replicated, run_check=False
+        )
 
 
 def _reduce_lookup_result(value):
@@ -565,19 +593,25 @@ def _repeats_as_int(args, kwargs):
 
     With a tensor `repeats`, torch decomposes `repeat_interleave` below
     DTensor into an index tensor of its own, which then meets the DTensor;
-    with an int, DTensor lays the result out itself.
+    with an int, DTensor lays the result out itself. That is done where
+    the input is a DTensor, or `repeats` is one: under `torch.vmap` the
+    input is a batched tensor wrapping a DTensor, and `repeats` (made from
+    Python values) a replicated DTensor.
     """
-    if not (args and isinstance(args[0], DTensor)):
+    if not args:
         return args, kwargs
-    if len(args) > 1:
-        repeats = args[1]
-        if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
-            args = (args[0], int(repeats.item()), *args[2:])
+    in_args = len(args) > 1
+    repeats = args[1] if in_args else kwargs.get("repeats")
+    if not (
+        isinstance(repeats, torch.Tensor)
+        and repeats.numel() == 1
+        and (isinstance(args[0], DTensor) or isinstance(repeats, DTensor))
+    ):
         return args, kwargs
-    repeats = kwargs.get("repeats")
-    if isinstance(repeats, torch.Tensor) and repeats.numel() == 1:
-        kwargs = dict(kwargs, repeats=int(repeats.item()))
-    return args, kwargs
+    repeats = int(repeats.item())
+    if in_args:
+        return (args[0], repeats, *args[2:]), kwargs
+    return args, dict(kwargs, repeats=repeats)
 
 
 def _replicate_lookup_indices(indices, table, *args):

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+import keras
 from keras.src import ops
 from keras.src import testing
 from keras.src.backend.torch import created_tensors
@@ -42,6 +43,29 @@ class ReplicateCreatedTensorsTest(OneProcessMeshTestCase):
         self.assertAllClose(broadcast.to_local().numpy(), np.full((2, 3), 2))
         # Meta tensors (shape inference) hold no values and stay plain.
         self.assertNotIsInstance(meta, DTensor)
+
+    def test_tensors_made_under_vmap_are_replicated(self):
+        """Keras's `vectorized_map` (`torch.vmap`) makes tensors too, as a
+        multi-label `AUC` does: `DTensor.from_local`'s autograd function
+        cannot run under `vmap`, so a value that needs no gradient is
+        wrapped without one."""
+        rows = distribute_tensor(
+            torch.arange(6.0).reshape(2, 3), self.backend_mesh, [Replicate()]
+        )
+        labels = [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
+        scores = [[0.9, 0.2, 0.6], [0.3, 0.7, 0.4], [0.8, 0.1, 0.5]]
+        expected = keras.metrics.AUC(multi_label=True, num_labels=3)
+        expected.update_state(labels, scores)
+        with created_tensors.replicate_created_tensors(self.mesh):
+            got = torch.vmap(lambda row: row * torch.tensor(2.0))(rows)
+            metric = keras.metrics.AUC(multi_label=True, num_labels=3)
+            metric.update_state(torch.tensor(labels), torch.tensor(scores))
+            auc = metric.result()
+        self.assertEqual(tuple(got.placements), (Replicate(),))
+        self.assertAllClose(got.full_tensor().numpy(), [[0, 2, 4], [6, 8, 10]])
+        self.assertAllClose(
+            auc.full_tensor().numpy(), expected.result().numpy()
+        )
 
     def test_zero_d_dtensor_arguments_count_as_python_values(self):
         # As Keras's pairwise losses build a mask: `ops.eye(ops.size(x))`.

@@ -72,6 +72,7 @@ from keras.src.backend.torch.collectives import all_gather  # noqa: F401
 from keras.src.backend.torch.collectives import all_reduce  # noqa: F401
 from keras.src.backend.torch.core import convert_to_tensor
 from keras.src.backend.torch.core import to_torch_dtype
+from keras.src.backend.torch.created_tensors import in_step_context  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicate_built_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicate_created_tensors  # noqa: F401
 from keras.src.backend.torch.created_tensors import replicating_created_tensors  # noqa: F401
@@ -443,6 +444,35 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
         [per_process_batch], [layout]
     )
     return value
+
+
+def call_on_global_batch(function, args, kwargs, distribution):
+    """Runs a direct call of a model, layer, loss or metric.
+
+    Outside `fit`, `evaluate` and `predict`, the arrays and plain tensors
+    passed to such a call are the global batch, as a step's batch is:
+    they are distributed on entry (`distribute_data`: split along the
+    batch axis, or built from every process's part when
+    `auto_shard_dataset=False`), and the call runs in
+    `replicate_created_tensors`, as a step does. DTensors are passed as
+    they are, so the targets of a custom training loop meet the model's
+    outputs in the same layout.
+
+    Every process must make the call, in the same order: with
+    `auto_shard_dataset=False` it exchanges the parts' shapes.
+
+    Args:
+        function: the call, a function of `*args, **kwargs`.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        distribution: the active `Distribution`.
+
+    Returns:
+        What `function` returns.
+    """
+    args, kwargs = distribute_data((args, kwargs), distribution)
+    with replicate_created_tensors(distribution.device_mesh):
+        return function(*args, **kwargs)
 
 
 def check_model_distributed(model, distribution):
