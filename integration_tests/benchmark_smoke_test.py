@@ -12,7 +12,6 @@ timing.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import harness
@@ -36,15 +35,7 @@ def _count(value):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={harness.free_port()}",
-        RUN,
+    args = [
         "--workload=mlp",
         f"--modes={','.join(MODES)}",
         "--hidden=32",
@@ -58,27 +49,7 @@ def results(tmp_path_factory):
         f"--out={out}",
         "--tag=smoke",
     ]
-    env = dict(os.environ)
-    env.update(
-        {
-            "KERAS_BACKEND": "torch",
-            "OMP_NUM_THREADS": "1",
-            "KERAS_DTENSOR_TIMEOUT_SECONDS": "120",
-        }
-    )
-    try:
-        completed = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"benchmark did not finish in {TIMEOUT}s: {error.stderr}")
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    harness.run_script(RUN, 2, args, TIMEOUT, ROOT)
     with open(out / "smoke.json") as f:
         data = json.load(f)
     data["markdown"] = (out / "smoke.md").read_text()

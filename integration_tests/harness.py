@@ -67,22 +67,64 @@ def launch(
     """
     result_dir = os.path.join(str(tmp_path), f"results_{worker}_{nprocs}")
     os.makedirs(result_dir, exist_ok=True)
+    _run_torchrun(
+        os.path.join(WORKERS_DIR, worker),
+        nprocs,
+        [*_rendezvous_args(torchrun_args), *torchrun_args],
+        [str(a) for a in args],
+        worker_env(result_dir, timeout, env, nprocs=nprocs),
+        timeout,
+    )
+    return [_read_report(result_dir, rank, worker) for rank in range(nprocs)]
+
+
+def run_script(script, nprocs, args, timeout, root):
+    """Runs `script` (a path) with `args` under torchrun on `nprocs` gloo
+    processes on a fresh port, from the folder `root`, as a user launches
+    a benchmark: no worker report, one thread per process, collectives
+    bounded by `KERAS_DTENSOR_TIMEOUT_SECONDS` (120 s).
+
+    Raises:
+        WorkerFailure: it did not finish within `timeout` seconds, or it
+            exited with a non-zero status.
+    """
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    env["KERAS_DTENSOR_TIMEOUT_SECONDS"] = "120"
+    _run_torchrun(
+        script,
+        nprocs,
+        ["--master_addr=127.0.0.1", f"--master_port={free_port()}"],
+        args,
+        env,
+        timeout,
+        cwd=root,
+    )
+
+
+def _run_torchrun(script, nprocs, torchrun_args, args, env, timeout, cwd=None):
+    """Runs `script` under torchrun on `nprocs` processes on this machine.
+
+    Raises:
+        WorkerFailure: it did not finish within `timeout` seconds (the
+            whole process group is killed), or exited with a non-zero
+            status.
+    """
+    name = os.path.basename(script)
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nprocs}",
         "--nnodes=1",
-        *_rendezvous_args(torchrun_args),
         *torchrun_args,
-        os.path.join(WORKERS_DIR, worker),
-        *[str(a) for a in args],
+        script,
+        *args,
     ]
-    process_env = worker_env(result_dir, timeout, env, nprocs=nprocs)
     try:
         completed = subprocess.run(
             command,
-            env=process_env,
+            cwd=cwd,
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -90,18 +132,17 @@ def launch(
         )
     except subprocess.TimeoutExpired as error:
         raise WorkerFailure(
-            f"{worker} on {nprocs} processes did not finish within "
+            f"{name} on {nprocs} processes did not finish within "
             f"{timeout}s.\n{_tail(error.stdout)}\n{_tail(error.stderr)}",
             output=_whole(error.stdout, error.stderr),
         ) from None
     if completed.returncode != 0:
         raise WorkerFailure(
-            f"{worker} on {nprocs} processes exited with "
+            f"{name} on {nprocs} processes exited with "
             f"{completed.returncode}.\n{_tail(completed.stdout)}\n"
             f"{_tail(completed.stderr)}",
             output=_whole(completed.stdout, completed.stderr),
         )
-    return [_read_report(result_dir, rank, worker) for rank in range(nprocs)]
 
 
 def launch_reference_and_runs(

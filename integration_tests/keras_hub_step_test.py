@@ -12,8 +12,6 @@ and step times positive. It asserts nothing about timing.
 import json
 import math
 import os
-import subprocess
-import sys
 
 import harness
 import pytest
@@ -28,15 +26,7 @@ TIMEOUT = 240
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_hub_step")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={harness.free_port()}",
-        SCRIPT,
+    args = [
         "--preset=tiny",
         "--models=llama",
         "--modes=dp,mp",
@@ -45,21 +35,7 @@ def report(tmp_path_factory):
         f"--out={out}",
         "--tag=smoke",
     ]
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    env["KERAS_DTENSOR_TIMEOUT_SECONDS"] = "120"
-    try:
-        completed = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"keras_hub_step did not finish in {TIMEOUT}s: {error}")
-    assert completed.returncode == 0, completed.stdout + completed.stderr
+    harness.run_script(SCRIPT, 2, args, TIMEOUT, ROOT)
     with open(os.path.join(out, "smoke.json")) as f:
         return json.load(f)
 

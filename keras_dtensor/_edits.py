@@ -1290,9 +1290,7 @@ POST_IMPORT_EDITS = {
         edit_loss_call_runs_batch_local,
         edit_loss_wrapper_runs_whole_on_local_tensors,
     ],
-    "keras.src.metrics.metric": lambda: [
-        edit_metric_update_distributes_inputs
-    ],
+    "keras.src.metrics.metric": lambda: [edit_metric_update_distributes_inputs],
     "keras.src.metrics.reduction_metrics": lambda: [
         edit_metric_update_on_local_tensors
     ],

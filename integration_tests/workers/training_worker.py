@@ -447,9 +447,9 @@ def custom_training_loop(run, model, x, y):
 
     The loss and a metric are called directly on the model's output and
     the targets as this process holds them: the global batch, here of an
-    uneven 5 rows (or, with `local`, this process's part of a whole one). Records
-    each step's loss, the metric's result and what the two steps changed
-    in the weights.
+    uneven 5 rows (or, with `local`, this process's part of a whole one).
+    Records each step's loss, the metric's result and what the two steps
+    changed in the weights.
     """
     import torch
 
