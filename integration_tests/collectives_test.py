@@ -6,10 +6,9 @@ after two warm-up steps, and reports
 the count of each collective (counts, not times):
 - `DataParallel` MLP: the gradients of all 6 variables are reduced in one
   bucketed all-reduce (`c10d.allreduce_`), and the loss in one DTensor
-  all-reduce, which the step first reads once backward has reduced the
-  gradients; AdamW adds nothing to SGD with momentum (the optimizer never
-  meets a partial gradient). With a bucket cap of 0 MB, each gradient is
-  its own bucket.
+  all-reduce, waited for before backward; AdamW adds nothing to SGD with
+  momentum (the optimizer never meets a partial gradient). With a bucket
+  cap of 0 MB, each gradient is its own bucket.
 - A Megatron MLP block (column- then row-parallel kernels, the block's
   input and output replicated by `<layer>/output` layouts) under
   `ModelParallel` on a (1, 2) mesh: 1 all-reduce forward (counted when
@@ -159,35 +158,27 @@ def test_loss_reduction_on_local_tensors_equals_dtensors(reports, case):
 
 
 @pytest.mark.parametrize("case", ["sum_over_batch_size:0", "sum:0"])
-def test_local_mean_is_read_after_a_backward_from_its_seed(reports, case):
-    """A local mean's all-reduce is not waited for where it is issued, nor
-    by a backward that starts from `gradient_seed` (ones laid out as the
-    value); the gradient is upstream's, bit for bit (the test above). A sum
-    issues no all-reduce and needs no seed; DTensor's own reduction waits
-    for its all-reduce at once."""
-    mean = case.startswith("sum_over_batch_size")
+def test_local_mean_is_waited_for_where_it_is_issued(reports, case):
+    """A local mean's all-reduce is waited for before the reduction
+    returns, as DTensor's own reduction waits for its all-reduce; the
+    gradient is upstream's, bit for bit (the test above). A sum issues no
+    all-reduce."""
     for report in reports:
-        local = report[f"reduce/{case}/local"]
-        upstream = report[f"reduce/{case}/dtensor"]
-        assert local["pending"] is mean
-        assert local["pending_after_backward"] is mean
-        assert not upstream["pending"] and upstream["seed"] is None
-        if mean:
-            assert local["seed"] == {"local": 1.0, "as_value": True}
-        else:
-            assert local["seed"] is None
+        assert not report[f"reduce/{case}/local"]["pending"]
+        assert not report[f"reduce/{case}/dtensor"]["pending"]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_data_parallel_step_reads_its_loss_after_backward(reports, optimizer):
-    """The train step's loss, all-reduced over the batch, is first read
-    (by the loss tracker) once backward has reduced the gradients: the
-    all-reduce ran beside backward. Its losses are the single-process
-    ones (`test_losses_equal_single_process`)."""
+def test_data_parallel_step_reduces_its_loss_before_backward(
+    reports, optimizer
+):
+    """The train step's loss, computed on local tensors, is all-reduced
+    over the batch once, before backward reduces the gradients. Its losses
+    are the single-process ones (`test_losses_equal_single_process`)."""
     for report in reports:
         assert report[f"dp:{optimizer}/events"] == [
+            "loss all-reduced",
             "gradients reduced",
-            "all-reduce read",
         ]
 
 

@@ -124,8 +124,8 @@ def set_fully_sharded_distribution(mode):
 # The `CollectiveCounter` of the counted step, while it runs.
 _COUNTING = []
 # What the counted step did, in order: "gradients reduced" (the gradient
-# buckets' end of backward) and "all-reduce read" (the first read of the
-# result of a functional all-reduce, the loss's under `dp`).
+# buckets' end of backward) and "loss all-reduced" (the all-reduce of a
+# mean computed on local tensors, the loss's under `dp`).
 _EVENTS = []
 # The counts when the loss was computed, i.e. after forward.
 _FORWARD_COUNTS = {}
@@ -181,8 +181,7 @@ CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 @contextlib.contextmanager
 def step_events():
     """Records `_EVENTS` (cleared first) while the block runs."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
+    from keras.src.backend.torch import batch_reductions
     from keras.src.backend.torch import gradient_buckets
 
     def noting(event, function):
@@ -195,7 +194,7 @@ def step_events():
 
     _EVENTS.clear()
     finish = gradient_buckets._finish_backward
-    read = AsyncCollectiveTensor.trigger_wait
+    all_reduce = batch_reductions._all_reduce_sum
     with (
         mock.patch.object(
             gradient_buckets,
@@ -203,9 +202,9 @@ def step_events():
             noting("gradients reduced", finish),
         ),
         mock.patch.object(
-            AsyncCollectiveTensor,
-            "trigger_wait",
-            noting("all-reduce read", read),
+            batch_reductions,
+            "_all_reduce_sum",
+            noting("loss all-reduced", all_reduce),
         ),
     ):
         yield
@@ -219,8 +218,7 @@ def reductions():
     per-sample values' gradient, the value's placements, the collectives,
     and whether the values' local tensor was read (the local path). Also
     whether the value's all-reduce was still unread when the reduction
-    returned and after backward, which starts from `gradient_seed` (None,
-    for a value that needs no wait: `backward()`'s own seed). A masked
+    returned. A masked
     reduction is also reported (it keeps upstream's path).
     """
     import torch
@@ -268,9 +266,7 @@ def reductions():
                     reduction=reduction,
                 )
             pending = _unread(value)
-            seed = batch_reductions.gradient_seed(value)
-            value.backward(seed)
-        pending_after_backward = _unread(value)
+            value.backward()
         counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
         return {
             "value": value.full_tensor().detach().numpy().tobytes().hex(),
@@ -280,8 +276,6 @@ def reductions():
             # The local path reads the values' local tensor.
             "local": any(c.args[0] is per_sample for c in read.call_args_list),
             "pending": pending,
-            "pending_after_backward": pending_after_backward,
-            "seed": None if seed is None else _described_seed(seed, value),
         }
 
     for reduction in ("sum_over_batch_size", "sum"):
@@ -380,20 +374,6 @@ def _unread(value):
 
     local = value._local_tensor
     return type(local) is AsyncCollectiveTensor and not local.completed
-
-
-def _described_seed(seed, value):
-    """A gradient seed's local values and whether it is laid out as
-    `value` (placements, mesh, global shape, dtype)."""
-    return {
-        "local": seed.to_local().tolist(),
-        "as_value": (
-            seed.placements == value.placements
-            and seed.device_mesh == value.device_mesh
-            and seed.shape == value.shape
-            and seed.dtype == value.dtype
-        ),
-    }
 
 
 def batch_rows():

@@ -226,32 +226,6 @@ class OneProcessBatchAxisTest(testing.TestCase):
         )
         return loss, unread
 
-    def test_gradient_seed_of_an_unread_loss_is_ones_laid_out_as_it(self):
-        loss, unread = self.unread_loss(2.5)
-        seed = batch_reductions.gradient_seed(loss)
-        self.assertFalse(unread.completed)
-        self.assertIs(type(seed), DTensor)
-        self.assertIs(type(seed._local_tensor), torch.Tensor)
-        self.assertEqual(seed.placements, loss.placements)
-        self.assertEqual(seed.device_mesh, loss.device_mesh)
-        self.assertEqual((seed.shape, seed.dtype), (loss.shape, loss.dtype))
-        self.assertEqual(seed.to_local().item(), 1.0)
-        # Once an operator has read it, the loss seeds its own backward.
-        self.assertEqual(float((loss * 2).to_local()), 5.0)
-        self.assertTrue(unread.completed)
-        self.assertIsNone(batch_reductions.gradient_seed(loss))
-
-    def test_gradient_seed_of_a_loss_read_without_waiting_is_none(self):
-        self.assertIsNone(batch_reductions.gradient_seed(torch.tensor(1.0)))
-        values = self.split(self.values, requires_grad=True)
-        with created_tensors.replicate_created_tensors(self.mesh):
-            # One process: the batch axis needs no all-reduce.
-            value = loss_module.reduce_weighted_values(
-                values, reduction="sum_over_batch_size"
-            )
-        self.assertIs(type(value._local_tensor), torch.Tensor)
-        self.assertIsNone(batch_reductions.gradient_seed(value))
-
     def test_waited_local_tensor_of_an_unread_loss_is_plain(self):
         loss, unread = self.unread_loss(2.5)
         local = dtensor_layouts.waited_local_tensor(loss)

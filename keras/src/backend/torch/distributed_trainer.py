@@ -94,7 +94,6 @@ from torch.utils import _pytree
 
 from keras.src import tree
 from keras.src.backend.torch import batch_local
-from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import gradient_buckets
@@ -298,22 +297,12 @@ def _step_helpers(eager):
 
     A compiled step calls `loss.backward()` through
     `torch.compiler.disable` and keeps its mode throughout; an eager step
-    calls backward directly (`backward_without_waiting`) and clears and
-    reads the gradients with `outside_step_mode`.
+    calls backward directly and clears and reads the gradients with
+    `outside_step_mode`.
     """
     if eager:
-        return backward_without_waiting, outside_step_mode
+        return torch.Tensor.backward, outside_step_mode
     return torch.compiler.disable(torch.Tensor.backward), _call
-
-
-def backward_without_waiting(loss):
-    """`loss.backward()`, started from `batch_reductions.gradient_seed`.
-
-    A loss whose all-reduce over the batch is still under way is not
-    waited for: backward runs beside the all-reduce, and the train step
-    reads the loss (its loss tracker) after backward.
-    """
-    loss.backward(outside_step_mode(batch_reductions.gradient_seed, loss))
 
 
 def _gradient_list(trainable_weights):
@@ -334,15 +323,11 @@ def train_step_with_detached_predictions(trainer, eager=False):
     before the gradients and the gradients computed outside Dynamo.
 
     It is the copy, in `TRAIN_STEP_COPIES`, of the installed keras's
-    `train_step`, with three changes: no narrower edit can make them,
-    since all act on local variables of that one function (`y_pred`
-    between the loss and the gradients, `loss.backward()`, and the loss
-    given to the loss tracker after the gradients are applied rather than
-    before backward, so that a loss still being all-reduced over the
-    batch, `batch_reductions`, is read only once backward has run beside
-    the all-reduce). The computation is upstream's, with the same values:
-    the metrics read the same predictions, without their autograd
-    history, and the tracker the same loss. An eager step
+    `train_step`, with two changes: no narrower edit can make them,
+    since both act on local variables of that one function (`y_pred`
+    between the loss and the gradients, and `loss.backward()`). The
+    computation is upstream's, with the same values: the metrics read the
+    same predictions, without their autograd history. An eager step
     (`eager=True`) also clears and lists the gradients with the step's
     torch function mode suspended (`outside_step_mode`), and runs in
     `batch_local.accumulating_into_variables`: its `loss.backward()`
@@ -384,7 +369,7 @@ def installed_train_step_sha256():
 def train_step_copy_3_15(trainer, eager=False):
     """Keras 3.15.1's `train_step` for `trainer`, `y_pred` detached before
     backward, with `_step_helpers(eager)`' backward and gradient
-    access, and the loss tracked after the gradients are applied."""
+    access."""
     backward, outside_mode = _step_helpers(eager)
 
     def gradients_of(loss, trainable_weights):
@@ -401,17 +386,18 @@ def train_step_copy_3_15(trainer, eager=False):
         loss = trainer._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        batch_size = next(i for i in tree.flatten(x) if i is not None).shape[0]
-        tracked_loss = loss
+        trainer._loss_tracker.update_state(
+            loss,
+            sample_weight=next(
+                i for i in tree.flatten(x) if i is not None
+            ).shape[0],
+        )
         if trainer.optimizer is not None:
             loss = trainer.optimizer.scale_loss(loss)
         y_pred = _pytree.tree_map_only(
             torch.Tensor, torch.Tensor.detach, y_pred
         )
         _apply_gradients(trainer, loss, gradients_of)
-        trainer._loss_tracker.update_state(
-            tracked_loss, sample_weight=batch_size
-        )
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )
@@ -424,8 +410,7 @@ def train_step_copy_3_16_dev(trainer, eager=False):
     `y_pred` detached after the loss, with `_step_helpers(eager)`'
     backward and gradient access, and `torch.autograd.grad` (which that
     keras calls for a compiled step without DDP) called through
-    `torch.compiler.disable`, and the loss tracked after the gradients are
-    applied."""
+    `torch.compiler.disable`."""
     backward, outside_mode = _step_helpers(eager)
     grad = torch.compiler.disable(torch.autograd.grad)
 
@@ -450,25 +435,20 @@ def train_step_copy_3_16_dev(trainer, eager=False):
         loss = trainer._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        tracked_loss = loss
-        if trainer.optimizer is not None:
-            loss = trainer.optimizer.scale_loss(loss)
-        y_pred = _pytree.tree_map_only(
-            torch.Tensor, torch.Tensor.detach, y_pred
-        )
-        _apply_gradients(trainer, loss, gradients_of)
         trainer._loss_tracker.update_state(
-            (
-                tracked_loss.detach()
-                if isinstance(tracked_loss, torch.Tensor)
-                else tracked_loss
-            ),
+            loss.detach() if isinstance(loss, torch.Tensor) else loss,
             sample_weight=(
                 x.shape[0]
                 if isinstance(x, torch.Tensor)
                 else next(i for i in tree.flatten(x) if i is not None).shape[0]
             ),
         )
+        if trainer.optimizer is not None:
+            loss = trainer.optimizer.scale_loss(loss)
+        y_pred = _pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.detach, y_pred
+        )
+        _apply_gradients(trainer, loss, gradients_of)
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )
