@@ -51,7 +51,9 @@ from keras.src.backend.torch import dtensor_layouts
 
 BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_BUCKET_CAP_MB"
 DEFAULT_BUCKET_CAP_MB = 25
-# As in DDP, the first bucket is small so that communication starts early.
+FIRST_BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_FIRST_BUCKET_CAP_MB"
+# As in DDP, the first bucket is small so that communication starts early,
+# where it runs beside the computation (`_first_bucket_cap_bytes`).
 FIRST_BUCKET_CAP_BYTES = 2**20
 
 _REDUCE_OPS = {
@@ -347,6 +349,8 @@ def _add(parameter, local, reduction, key):
         bucket = _Bucket(mesh, *reduction)
         _PENDING.open[key] = bucket
     bucket.add(parameter, local)
+    if _PENDING.cap_bytes is None:
+        _PENDING.cap_bytes = _bucket_cap_bytes(mesh)
     if bucket.nbytes >= _PENDING.cap_bytes:
         _launch(key)
 
@@ -422,7 +426,6 @@ def _queue_finalizer():
     except RuntimeError:
         return False
     _PENDING.finalizer_queued = True
-    _PENDING.cap_bytes = _bucket_cap_bytes()
     return True
 
 
@@ -430,7 +433,7 @@ def _launch(key):
     bucket = _PENDING.open.pop(key)
     bucket.launch()
     _PENDING.launched.append(bucket)
-    _PENDING.cap_bytes = _bucket_cap_bytes()
+    _PENDING.cap_bytes = _bucket_cap_bytes(bucket.mesh)
 
 
 def _finish_backward():
@@ -547,13 +550,39 @@ def _redistribute_gradient(grad, parameter):
     return grad
 
 
-def _bucket_cap_bytes():
-    """The bucket size at which a bucket is sent (smaller for the first)."""
-    megabytes = float(os.environ.get(BUCKET_CAP_ENV_VAR, DEFAULT_BUCKET_CAP_MB))
-    cap = int(megabytes * 2**20)
+def _bucket_cap_bytes(mesh):
+    """The size at which a bucket of gradients on `mesh` is sent.
+
+    `KERAS_DTENSOR_BUCKET_CAP_MB`, or less for the first bucket of a
+    backward pass (`_first_bucket_cap_bytes`).
+    """
+    cap = _megabytes(BUCKET_CAP_ENV_VAR, DEFAULT_BUCKET_CAP_MB)
     if not _PENDING.launched:
-        return min(cap, FIRST_BUCKET_CAP_BYTES)
+        return min(cap, _first_bucket_cap_bytes(mesh))
     return cap
+
+
+def _first_bucket_cap_bytes(mesh):
+    """The size at which the first bucket of a backward pass is sent.
+
+    `KERAS_DTENSOR_FIRST_BUCKET_CAP_MB` where set. Otherwise 1 MiB, as
+    DDP's, so that communication starts early in backward, except on a
+    CPU mesh: there gloo's all-reduce runs on the cores backward is
+    using, and a bucket sent early only competes with it (measured with 2
+    and 4 gloo processes on 2 cores: 1.8 to 5.3 ms a step slower than one
+    bucket sent at the end). The rule depends only on the mesh, which is
+    the same on every process, so every process makes the same buckets.
+    """
+    if os.environ.get(FIRST_BUCKET_CAP_ENV_VAR):
+        return _megabytes(FIRST_BUCKET_CAP_ENV_VAR, 0)
+    if mesh.device_type == "cpu":
+        return float("inf")
+    return FIRST_BUCKET_CAP_BYTES
+
+
+def _megabytes(env_var, default):
+    """The size in bytes that `env_var` gives in MB (`default` if unset)."""
+    return int(float(os.environ.get(env_var, default)) * 2**20)
 
 
 def _mesh_dim_size(mesh, mesh_dim):

@@ -144,6 +144,50 @@ class GradientBucketsTest(testing.TestCase):
                 parameter.grad.full_tensor().numpy(), expected, atol=1e-6
             )
 
+    def test_first_bucket_of_a_cpu_mesh_is_not_cut_small(self):
+        # 1.02 MiB of gradients: a 1 MiB first bucket, as DDP's, sends the
+        # last two layers' in one bucket and the first layer's in another;
+        # on a CPU mesh all three make one bucket, sent when backward ends.
+        shapes = [(8, 512), (512, 512), (512, 4)]
+        for first_cap_mb, all_reduces in ((None, 1), ("1", 2)):
+            parameters = replicated_parameters(self.mesh, shapes)
+            env = {}
+            if first_cap_mb is not None:
+                env[gradient_buckets.FIRST_BUCKET_CAP_ENV_VAR] = first_cap_mb
+            with mock.patch.dict(os.environ, env):
+                with counting_all_reduce() as all_reduce:
+                    mlp_loss(parameters, self.mesh).backward()
+            self.assertEqual(all_reduce.call_count, all_reduces)
+            sizes = [c.args[0].numel() for c in all_reduce.call_args_list]
+            self.assertEqual(sum(sizes), sum(np.prod(s) for s in shapes))
+
+    def test_first_bucket_cap_by_mesh_device(self):
+        cuda_mesh = mock.Mock(device_type="cuda")
+        self.assertEqual(self.mesh.device_type, "cpu")
+        self.assertEqual(
+            gradient_buckets._first_bucket_cap_bytes(self.mesh), float("inf")
+        )
+        self.assertEqual(
+            gradient_buckets._first_bucket_cap_bytes(cuda_mesh), 2**20
+        )
+        with mock.patch.dict(
+            os.environ, {gradient_buckets.FIRST_BUCKET_CAP_ENV_VAR: "0.5"}
+        ):
+            for mesh in (self.mesh, cuda_mesh):
+                self.assertEqual(
+                    gradient_buckets._first_bucket_cap_bytes(mesh), 2**19
+                )
+        # Later buckets take the full cap, and the first never exceeds it.
+        with mock.patch.dict(
+            os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: "2"}
+        ):
+            self.assertEqual(
+                gradient_buckets._bucket_cap_bytes(self.mesh), 2 * 2**20
+            )
+            self.assertEqual(
+                gradient_buckets._bucket_cap_bytes(cuda_mesh), 2**20
+            )
+
     def test_discarding_a_failed_backwards_buckets(self):
         parameters = replicated_parameters(self.mesh, self.shapes)
 
