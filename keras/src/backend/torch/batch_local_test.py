@@ -132,6 +132,31 @@ class BatchLocalTest(testing.TestCase):
         self.call_in_step(counting, self.batch((4, 5)))
         self.assertEqual(self.verdicts(counting), [None])
 
+    def test_metric_updates_keep_dtensors(self):
+        # On a batch axis of one process the update runs on the metric's
+        # local tensors (`replicated_updates`); it is an assignment all
+        # the same, which a local call could not make.
+        from keras.src import metrics
+
+        class Tracking(layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.mean = metrics.Mean(name="tracked_mean")
+
+            def call(self, x):
+                self.mean.update_state(x)
+                return x
+
+        tracking = Tracking()
+        first, second = self.batch((4, 5), seed=1), self.batch((4, 5), seed=2)
+        for x in (first, second):
+            self.call_in_step(tracking, x)
+        self.assertEqual(self.verdicts(tracking), [None])
+        expected = np.mean(
+            [first.full_tensor().numpy(), second.full_tensor().numpy()]
+        )
+        self.assertAllClose(float(tracking.mean.result()), expected)
+
     def test_dtensor_attributes_keep_dtensors(self):
         # An adapted `Normalization` holds its statistics as DTensors,
         # computed from its variables; so does a model holding it.

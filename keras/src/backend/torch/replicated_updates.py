@@ -29,6 +29,10 @@ replicated and computes it with the same local operator. Any other case
 not a DTensor, a stateless scope, a compiled step) runs on DTensors as
 before.
 
+An update (an optimizer step, a metric's `update_state`) counts as an
+effect for `batch_local`, as an assignment on DTensors does: a layer call
+watched while it updated a metric this way keeps running on DTensors.
+
 Collectives: none, here or in the DTensor computation it replaces.
 """
 
@@ -40,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 
@@ -67,6 +72,8 @@ def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
     if held is None:
         return upstream_apply(optimizer, grads, variables)
     local_grads = [None if g is None else g._local_tensor for g in grads]
+    # Assigns to DTensor variables (`update_on_local_tensors`).
+    batch_local.note_effect()
     return call_on_local_tensors(
         held, upstream_apply, optimizer, local_grads, variables
     )
@@ -124,6 +131,9 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
         for x in (values, sample_weight)
     )
     update = functools.partial(upstream_update, sample_weight=sample_weight)
+    # Assigns to DTensor variables, as the update on DTensors does: a layer
+    # call that makes it cannot run on local shards.
+    batch_local.note_effect()
     return call_on_local_tensors(held, update, metric, values)
 
 
