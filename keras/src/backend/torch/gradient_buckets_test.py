@@ -5,8 +5,10 @@ parameters used with batch-sharded inputs, so the bucketing logic runs in
 full here; values across processes are checked by the integration tests.
 """
 
+import contextlib
 import copy
 import os
+import sys
 from unittest import mock
 
 import numpy as np
@@ -50,6 +52,24 @@ def counting_all_reduce():
     return mock.patch.object(
         torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
     )
+
+
+@contextlib.contextmanager
+def calls_from_outside_torch(owner, name):
+    """Records the callers of the static method `owner.name` that are not
+    torch's own code, while the block runs."""
+    upstream = getattr(owner, name)
+    torch_dir = os.path.dirname(torch.__file__)
+    callers = []
+
+    def recorded(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if not caller.startswith(torch_dir):
+            callers.append(caller)
+        return upstream(*args, **kwargs)
+
+    with mock.patch.object(owner, name, staticmethod(recorded)):
+        yield callers
 
 
 def replicated_parameters(mesh, shapes, seed=0):
@@ -558,20 +578,17 @@ class SizeOneMeshAxisTest(testing.TestCase):
                     mock.patch.object(
                         gradient_buckets, "_add", wraps=gradient_buckets._add
                     ) as bucketed,
-                    mock.patch.object(
-                        DTensor, "from_local", wraps=DTensor.from_local
-                    ) as from_local,
+                    calls_from_outside_torch(DTensor, "from_local") as calls,
                 ):
                     loss = shared_weight_loss(weight, other, mesh, reads)
                     loss.backward()
                 self.assertEqual(all_reduce.call_count, 0)
                 self.assertEqual(bucketed.call_count, 0)
                 # No gradient was made a DTensor but from its parameter's
-                # spec: a DTensor read of the loss calls `from_local`
-                # twice (in forward, and in `to_local`'s backward).
-                self.assertEqual(
-                    from_local.call_count, 2 * reads.count("dtensor")
-                )
+                # spec: `from_local` is called only by the loss's own
+                # DTensor read, in forward (torch's calls, as in
+                # `to_local`'s backward, vary with its version).
+                self.assertEqual(len(calls), reads.count("dtensor"))
                 for parameter, expected in zip(
                     (weight, other), expected_gradients(mesh, reads)
                 ):
