@@ -167,6 +167,7 @@ def register():
     register_sharding(
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     )(_cpu_attention_backward_sharding)
+    _register_cpu_attention_backward_in_query_layout()
     for op, rule in _cuda_attention_rules().items():
         register_sharding(op)(rule)
     for op, rule in _ADDED_RULES.items():
@@ -507,6 +508,81 @@ def _cpu_attention_backward_sharding(
     head alike.
     """
     return _attention_strategies(3, 6, args, kwargs)
+
+
+def _register_cpu_attention_backward_in_query_layout():
+    """Makes the CPU flash-attention backward run in its query's layout
+    (`backward_in_query_layout`)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    op = op.default
+    rule = propagator.op_strategy_funcs[op]
+    if not getattr(rule, "keras_query_layout", False):
+        propagator.register_op_strategy(
+            op,
+            backward_in_query_layout(rule),
+            propagator.op_to_schema_info.get(op),
+        )
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def backward_in_query_layout(rule):
+    """A CPU flash-attention backward strategy: the forward's layout.
+
+    The backward's saved tensors (query, key, value, output, log-sum-exp)
+    hold the layout the forward ran in, and its mask (`attn_mask=`, which
+    DTensor does not redistribute) the layout it was aligned to for it. The
+    strategies of `rule` are per mesh axis; its cheapest for an incoming
+    gradient that is a partial sum (a reduce-scatter to a split) may split
+    the saved tensors otherwise, and cannot tell an axis of one process
+    from the others: it ran keras-hub's Llama on a (1, 2) mesh with the
+    mask whole and the queries split (torch 2.11: "shape '[1, 1, 8, 8]' is
+    invalid for input of size 256"), or with gradients split on the axis
+    of one process as well, which later views could not read. The one
+    strategy here takes the query's placements on every axis (`Replicate`
+    where the query holds one attention cannot run on: not a batch or head
+    split) for every tensor argument and output; only the incoming
+    gradient moves. `rule` is used where an argument's strategy is not
+    one layout.
+    """
+
+    def strategy(op_schema):
+        tensors = op_schema.args_schema[:6]
+        if not all(
+            isinstance(t, OpStrategy) and len(t.strategies) == 1
+            for t in tensors
+        ):
+            return rule(op_schema)
+        query = tensors[1].strategies[0].output_spec
+        placements = tuple(
+            p if p in _ATTENTION_PLACEMENTS else Replicate()
+            for p in query.placements
+        )
+        inputs = [
+            DTensorSpec(
+                query.mesh,
+                placements,
+                tensor_meta=t.strategies[0].output_spec.tensor_meta,
+            )
+            for t in tensors
+        ]
+        return OpStrategy(
+            [
+                OpSpec(
+                    output_specs=tuple(
+                        DTensorSpec(query.mesh, placements) for _ in range(3)
+                    ),
+                    input_specs=tuple(inputs),
+                    redistribute_cost=[
+                        generate_redistribute_costs(t, spec)
+                        for t, spec in zip(tensors, inputs)
+                    ],
+                )
+            ]
+        )
+
+    strategy.keras_query_layout = True
+    return strategy
 
 
 def _attention_strategies(num_outputs, num_inputs, args, kwargs):

@@ -675,6 +675,85 @@ class CudaAttentionRulesTest(testing.TestCase):
             )
 
 
+class CpuAttentionBackwardTest(testing.TestCase):
+    """The CPU flash-attention backward runs in its query's layout."""
+
+    SHAPE = (4, 4, 8, 8)
+
+    def setUp(self):
+        super().setUp()
+        sharding_rules.register()
+        self.mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        ).backend_mesh
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        self.op = op.default
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        self.strategy = propagator.op_strategy_funcs[self.op]
+
+    def tensor(self, shape, placements):
+        meta = TensorMeta(
+            torch.Size(shape),
+            torch.empty(shape).stride(),
+            torch.float32,
+        )
+        spec = DTensorSpec(self.mesh, placements, tensor_meta=meta)
+        return OpStrategy([OpSpec(spec)])
+
+    def schema(self, grad_placements, placements, mask_placements):
+        saved = [self.tensor(self.SHAPE, placements) for _ in range(4)]
+        lse = self.tensor(self.SHAPE[:3], placements)
+        mask = self.tensor((4, 1, 8, 8), mask_placements)
+        return OpSchema(
+            self.op,
+            (self.tensor(self.SHAPE, grad_placements), *saved, lse)
+            + (0.0, False),
+            {"attn_mask": mask},
+        )
+
+    def test_every_tensor_takes_the_querys_placements(self):
+        # The forward ran split by batch on the second axis, its mask
+        # split alike; the incoming gradient is a partial sum on both.
+        placements = (Replicate(), Shard(0))
+        schema = self.schema((Partial(), Partial()), placements, placements)
+        (chosen,) = self.strategy(schema).strategies
+        for spec in chosen.input_specs:
+            self.assertEqual(spec.placements, placements)
+        self.assertEqual(
+            [spec.placements for spec in chosen.output_specs],
+            [placements] * 3,
+        )
+        # Only the incoming gradient moves.
+        grad_cost, *saved_costs = chosen.redistribute_cost
+        self.assertGreater(max(grad_cost), 0)
+        self.assertEqual([max(c) for c in saved_costs], [0] * 5)
+
+    def test_placements_attention_cannot_split_become_replicated(self):
+        placements = (Shard(2), Shard(1))
+        schema = self.schema((Partial(), Partial()), placements, placements)
+        (chosen,) = self.strategy(schema).strategies
+        self.assertEqual(
+            chosen.output_specs[0].placements, (Replicate(), Shard(1))
+        )
+
+    def test_arguments_of_several_layouts_take_the_per_axis_rule(self):
+        rule = mock.Mock(return_value="per-axis strategies")
+        strategy = sharding_rules.backward_in_query_layout(rule)
+        schema = self.schema(
+            (Partial(), Partial()), (Replicate(), Shard(0)), (Replicate(),) * 2
+        )
+        query = schema.args_schema[1]
+        query.strategies.append(query.strategies[0])
+        self.assertEqual(strategy(schema), "per-axis strategies")
+        rule.assert_called_once_with(schema)
+
+    def test_register_wraps_once(self):
+        sharding_rules._register_cpu_attention_backward_in_query_layout()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        self.assertIs(propagator.op_strategy_funcs[self.op], self.strategy)
+        self.assertTrue(self.strategy.keras_query_layout)
+
+
 class ReplicatedFallbackTest(testing.TestCase):
     """Ops without a usable rule run replicated, exactly; ops that write
     to their inputs or draw random values keep DTensor's error."""
