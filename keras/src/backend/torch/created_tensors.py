@@ -333,10 +333,48 @@ def _reduce_lookup_result(value):
     value is reduced (all-reduced) once, as it is made, instead. Nothing
     plain is involved, so `implicit_replication` does not apply.
     """
-    placements = [
+    placements = tuple(
         Replicate() if type(p) is _MaskPartial else p for p in value.placements
-    ]
-    return value.redistribute(value.device_mesh, placements)
+    )
+    return _ReducedLookup.apply(value, placements)
+
+
+class _ReducedLookup(torch.autograd.Function):
+    """`value.redistribute(mesh, placements)` of a lookup result, with the
+    gradient DTensor's own redistribution gives, except for a gradient
+    that is a partial sum where the lookup was masked: it is all-reduced
+    (the lookup's part of a sum is the whole gradient, as for a replicated
+    one). DTensor would ask for a partial-to-masked-partial redistribution
+    there, which torch 2.11 refuses ("Redistribution from one partial
+    type (P(sum)) to another (MaskP(...)) is unsupported"; keras-hub's
+    Gemma on a (2, 2) mesh).
+    """
+
+    @staticmethod
+    def forward(ctx, value, placements):
+        ctx.placements = value.placements
+        return value.redistribute(value.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements = tuple(
+            _lookup_gradient_placement(current, target)
+            for current, target in zip(grad.placements, ctx.placements)
+        )
+        return grad.redistribute(grad.device_mesh, placements), None
+
+
+def _lookup_gradient_placement(current, target):
+    """Where a lookup's gradient, laid out as `current`, goes back to a
+    lookup result laid out as `target`: `target`, except that a partial
+    target takes `Replicate` (as DTensor's backward redistribution does
+    for a gradient that is not a partial sum, and for any gradient where
+    the target is a masked lookup)."""
+    if target.is_partial() and (
+        type(target) is _MaskPartial or not current.is_partial()
+    ):
+        return Replicate()
+    return target
 
 
 def _create(mode, func, args, kwargs):

@@ -485,3 +485,27 @@ class LocalRowsTest(testing.TestCase):
                     1,
                     ([Shard(0), Shard(1)], [Replicate(), Shard(0)]),
                 )
+
+
+class LookupGradientTest(testing.TestCase):
+    """Where a reduced lookup's gradient goes back to the lookup."""
+
+    def test_gradient_placements(self):
+        from torch.distributed.tensor.placement_types import _MaskPartial
+
+        masked = _MaskPartial(offset_shape=torch.Size([256, 32]), offset_dim=0)
+        place = created_tensors._lookup_gradient_placement
+        cases = [
+            # A masked lookup takes its whole gradient, partial sum or not;
+            # DTensor would ask torch 2.11 for a partial-to-masked move.
+            (Partial(), masked, Replicate()),
+            (Replicate(), masked, Replicate()),
+            (Shard(0), masked, Replicate()),
+            # Elsewhere, as DTensor's backward redistribution.
+            (Partial(), Partial(), Partial()),
+            (Replicate(), Partial(), Replicate()),
+            (Shard(1), Shard(0), Shard(0)),
+            (Partial(), Replicate(), Replicate()),
+        ]
+        for current, target, expected in cases:
+            self.assertEqual(place(current, target), expected)

@@ -174,6 +174,7 @@ def register():
         register_sharding(op)(rule)
     _register_view_fallbacks()
     _register_unbind_fallback()
+    _register_stack_dim_normalized()
     _register_replicated_fallback()
 
 
@@ -508,6 +509,50 @@ def _cpu_attention_backward_sharding(
     head alike.
     """
     return _attention_strategies(3, 6, args, kwargs)
+
+
+def _register_stack_dim_normalized():
+    """Makes `stack`'s rule see a non-negative dimension
+    (`stack_with_dim_normalized`)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.stack.default
+    rule = propagator.op_strategy_funcs.get(op)
+    if rule is not None and not getattr(rule, "keras_dim_normalized", False):
+        propagator.register_op_strategy(
+            op,
+            stack_with_dim_normalized(rule),
+            propagator.op_to_schema_info.get(op),
+        )
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def stack_with_dim_normalized(rule):
+    """A `stack` rule given its dimension counted from the front.
+
+    Torch 2.11's rule counts a negative dimension in the inputs' rank
+    instead of the output's, one less: `stack(..., dim=-2)` of tensors
+    split along dimension 2 of 4 was laid out as split along dimension 3,
+    giving wrong values or shape errors (keras-hub's rotary embedding,
+    `ops.stack(..., axis=-2)`, on queries split by head). The local op
+    runs with its own arguments; only the rule sees the dimension made
+    non-negative, which every release reads the same.
+    """
+
+    def strategy(op_schema):
+        args = op_schema.args_schema
+        if len(args) > 1 and isinstance(args[1], int) and args[1] < 0:
+            inputs = args[0].children
+            ndim = inputs[0].strategies[0].output_spec.ndim
+            op_schema = OpSchema(
+                op_schema.op,
+                (args[0], args[1] + ndim + 1, *args[2:]),
+                op_schema.kwargs_schema,
+                schema_info=op_schema.schema_info,
+            )
+        return rule(op_schema)
+
+    strategy.keras_dim_normalized = True
+    return strategy
 
 
 def _register_cpu_attention_backward_in_query_layout():

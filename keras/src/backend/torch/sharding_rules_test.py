@@ -675,6 +675,34 @@ class CudaAttentionRulesTest(testing.TestCase):
             )
 
 
+class StackDimTest(testing.TestCase):
+    """`stack` along a negative dimension keeps its inputs' splits."""
+
+    def test_negative_dimension_is_counted_in_the_output(self):
+        sharding_rules.register()
+        mesh = distribution_api.DeviceMesh(
+            (1,), ("model",), ["cpu:0"]
+        ).backend_mesh
+        values = np.arange(4 * 8 * 4 * 8, dtype="float32").reshape(4, 8, 4, 8)
+        tensor = distribute_tensor(torch.from_numpy(values), mesh, [Shard(2)])
+        # The split dimension (2) moves up where the new one goes before it.
+        for dim, split in ((-2, 2), (3, 2), (-1, 2), (-3, 3), (-5, 3)):
+            stacked = torch.stack((tensor, -tensor), dim=dim)
+            # Torch 2.11's own rule laid `dim=-2` out as `Shard(3)`.
+            self.assertEqual(stacked.placements, (Shard(split),), dim)
+            expected = np.stack((values, -values), axis=dim)
+            self.assertAllClose(stacked.full_tensor().numpy(), expected)
+
+    def test_register_wraps_once(self):
+        sharding_rules.register()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        op = torch.ops.aten.stack.default
+        rule = propagator.op_strategy_funcs[op]
+        sharding_rules._register_stack_dim_normalized()
+        self.assertIs(propagator.op_strategy_funcs[op], rule)
+        self.assertTrue(rule.keras_dim_normalized)
+
+
 class CpuAttentionBackwardTest(testing.TestCase):
     """The CPU flash-attention backward runs in its query's layout."""
 
