@@ -37,7 +37,7 @@ The mean's all-reduce is waited for where it is issued, before backward
 starts, as DTensor waits for its own. Leaving it pending while backward
 ran (and reading the loss only after the optimizer) was measured slower:
 0.4 to 2.6 ms a step for the benchmark's transformer and llama on 2 and
-4 gloo processes of a 2-core machine, 150 alternating steps.
+4 gloo processes of a 2-core machine, 100 to 150 alternating steps.
 """
 
 import collections
