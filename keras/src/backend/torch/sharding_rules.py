@@ -399,19 +399,30 @@ def _hides_an_uneven_split(spec, mesh_dim):
     return spec.shape[placement.dim] % math.prod(splits) != 0
 
 
+def _wrap_rule(op, wrap, marker):
+    """Replaces DTensor's rule for `op` by `wrap(rule)`, once.
+
+    `marker` is the attribute `wrap` sets on the rules it returns; a rule
+    that has it is wrapped already. The rule keeps the op's schema info.
+    Nothing happens for an op DTensor has no rule for.
+    """
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    rule = propagator.op_strategy_funcs.get(op)
+    if rule is not None and not getattr(rule, marker, False):
+        propagator.register_op_strategy(
+            op, wrap(rule), propagator.op_to_schema_info.get(op)
+        )
+    propagator.propagate_op_sharding.cache_clear()
+
+
 def _register_unbind_fallback():
     """An `unbind` rule that gathers the unbound dimension where torch's
     refuses."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    op = torch.ops.aten.unbind.int
-    unbind_rule = propagator.op_strategy_funcs[op]
-    if not getattr(unbind_rule, "keras_gather_fallback", False):
-        propagator.register_op_strategy(
-            op,
-            unbind_with_gather_fallback(unbind_rule),
-            propagator.op_to_schema_info.get(op),
-        )
-    propagator.propagate_op_sharding.cache_clear()
+    _wrap_rule(
+        torch.ops.aten.unbind.int,
+        unbind_with_gather_fallback,
+        "keras_gather_fallback",
+    )
 
 
 def unbind_with_gather_fallback(unbind_rule):
@@ -514,16 +525,11 @@ def _cpu_attention_backward_sharding(
 def _register_stack_dim_normalized():
     """Makes `stack`'s rule see a non-negative dimension
     (`stack_with_dim_normalized`)."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    op = torch.ops.aten.stack.default
-    rule = propagator.op_strategy_funcs.get(op)
-    if rule is not None and not getattr(rule, "keras_dim_normalized", False):
-        propagator.register_op_strategy(
-            op,
-            stack_with_dim_normalized(rule),
-            propagator.op_to_schema_info.get(op),
-        )
-    propagator.propagate_op_sharding.cache_clear()
+    _wrap_rule(
+        torch.ops.aten.stack.default,
+        stack_with_dim_normalized,
+        "keras_dim_normalized",
+    )
 
 
 def stack_with_dim_normalized(rule):
@@ -558,17 +564,12 @@ def stack_with_dim_normalized(rule):
 def _register_cpu_attention_backward_in_query_layout():
     """Makes the CPU flash-attention backward run in its query's layout
     (`backward_in_query_layout`)."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    op = op.default
-    rule = propagator.op_strategy_funcs[op]
-    if not getattr(rule, "keras_query_layout", False):
-        propagator.register_op_strategy(
-            op,
-            backward_in_query_layout(rule),
-            propagator.op_to_schema_info.get(op),
-        )
-    propagator.propagate_op_sharding.cache_clear()
+    aten = torch.ops.aten
+    _wrap_rule(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        backward_in_query_layout,
+        "keras_query_layout",
+    )
 
 
 def backward_in_query_layout(rule):
