@@ -5,10 +5,12 @@ benchmark's `CollectiveCounter` (a `CommDebugMode`) on 2 gloo processes
 after two warm-up steps, and reports
 the count of each collective (counts, not times):
 - `DataParallel` MLP: the gradients of all 6 variables are reduced in one
-  bucketed all-reduce (`c10d.allreduce_`), and the loss in one DTensor
-  all-reduce, waited for before backward; AdamW adds nothing to SGD with
-  momentum (the optimizer never meets a partial gradient). With a bucket
-  cap of 0 MB, each gradient is its own bucket.
+  bucketed all-reduce (`c10d.allreduce_`), and the loss rides in the same
+  bucket, read after backward; AdamW adds nothing to SGD with momentum
+  (the optimizer never meets a partial gradient). With a bucket cap of 0
+  MB, each gradient is its own bucket, sent during backward, and the
+  loss takes one DTensor all-reduce of its own after backward; the
+  losses are the same bits either way.
 - A Megatron MLP block (column- then row-parallel kernels, the block's
   input and output replicated by `<layer>/output` layouts) under
   `ModelParallel` on a (1, 2) mesh: 1 all-reduce forward (counted when
@@ -22,7 +24,7 @@ the count of each collective (counts, not times):
   gathers the unit again (for d2's kernel, needed by d1's output
   gradient), then reduce-scatters both gradients in one collective; the
   replicated variables (biases, the head's kernel) share one gradient
-  bucket; the loss adds its all-reduce. With a unit cap of 0, each
+  bucket, which the loss rides. With a unit cap of 0, each
   Dense is a unit: one all-gather per sharded kernel forward, d2's again
   in backward (d1's is not needed: the input needs no gradient), one
   reduce-scatter per kernel. The kernels keep their shards, and the
@@ -108,11 +110,9 @@ def counts(report, run):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_data_parallel_step_has_one_gradient_bucket(reports, optimizer):
+    """One collective a step: the gradients' bucket, with the loss."""
     for report in reports:
-        assert counts(report, f"dp:{optimizer}") == {
-            BUCKETED: 1,
-            DTENSOR_ALL_REDUCE: 1,
-        }
+        assert counts(report, f"dp:{optimizer}") == {BUCKETED: 1}
 
 
 def test_zero_bucket_cap_reduces_each_gradient_once(reports):
@@ -169,17 +169,29 @@ def test_local_mean_is_waited_for_where_it_is_issued(reports, case):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_data_parallel_step_reduces_its_loss_before_backward(
+def test_data_parallel_step_reduces_its_loss_with_the_gradients(
     reports, optimizer
 ):
-    """The train step's loss, computed on local tensors, is all-reduced
-    over the batch once, before backward reduces the gradients. Its losses
-    are the single-process ones (`test_losses_equal_single_process`)."""
+    """The train step's loss, computed on local tensors, is left partial
+    through backward and reduced in the gradients' bucket: no all-reduce
+    of its own. Its losses are the single-process ones
+    (`test_losses_equal_single_process`)."""
     for report in reports:
-        assert report[f"dp:{optimizer}/events"] == [
-            "loss all-reduced",
+        assert report[f"dp:{optimizer}/events"] == ["gradients reduced"]
+
+
+def test_loss_without_an_open_bucket_is_reduced_after_backward(reports):
+    """With a bucket cap of 0 every bucket is sent during backward, so
+    none is left for the loss: it is all-reduced by itself after
+    backward, when the loss tracker reads it. The losses have the same
+    bits as those reduced in the bucket (2 processes: a sum of two
+    values does not depend on the order)."""
+    for report in reports:
+        assert report["dp:sgd:0/events"] == [
             "gradients reduced",
+            "loss all-reduced",
         ]
+        assert report["dp:sgd:0/losses"] == report["dp:sgd/losses"]
 
 
 @pytest.mark.parametrize("case", LOSS_CASES)
@@ -240,7 +252,7 @@ def test_fully_sharded_step_gathers_its_joined_unit_once(reports, optimizer):
     """The two small sharded kernels form one unit: one all-gather
     forward, one more in backward (d2's kernel, for d1's output
     gradient), one reduce-scatter, one bucket for the replicated
-    variables."""
+    variables and the loss."""
     for report in reports:
         run = f"fsdp:{optimizer}"
         assert report[f"{run}/forward_counts"] == {ALL_GATHER: 1}
@@ -248,7 +260,6 @@ def test_fully_sharded_step_gathers_its_joined_unit_once(reports, optimizer):
             ALL_GATHER: 2,
             REDUCE_SCATTER: 1,
             BUCKETED: 1,
-            DTENSOR_ALL_REDUCE: 1,
         }
 
 
@@ -256,7 +267,8 @@ def test_unjoined_units_gather_each_sharded_kernel_once(reports):
     """With a unit cap of 0, each Dense is a unit: one all-gather per
     sharded kernel forward, one more in backward for d2's kernel (d1's
     is not needed: the input needs no gradient), one reduce-scatter per
-    sharded kernel, one bucket for the replicated variables."""
+    sharded kernel, one bucket for the replicated variables and the
+    loss."""
     sharded = len(FSDP_SHARDED)
     for report in reports:
         run = "fsdp:sgd::0"
@@ -265,7 +277,6 @@ def test_unjoined_units_gather_each_sharded_kernel_once(reports):
             ALL_GATHER: sharded + 1,
             REDUCE_SCATTER: sharded,
             BUCKETED: 1,
-            DTENSOR_ALL_REDUCE: 1,
         }
 
 
@@ -304,7 +315,6 @@ def test_fully_sharded_blocks_gather_each_unit_once(reports, run, units):
             ALL_GATHER: 2 * units,
             REDUCE_SCATTER: units,
             BUCKETED: 1,
-            DTENSOR_ALL_REDUCE: 1,
         }
         layouts = report[f"{run}/layouts"]
         for block in ("block1", "block2"):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -101,6 +102,60 @@ class OneProcessBatchAxisTest(testing.TestCase):
                     np.testing.assert_array_equal(
                         local["grad"], upstream["grad"]
                     )
+
+    def test_mean_reduced_with_gradients_is_left_partial(self):
+        # As if the batch axis had 2 processes: the plan reduces over it.
+        plan = mock.patch.object(
+            batch_reductions, "_local_plan", return_value=(2, (0,), (0,))
+        )
+        collective = mock.patch.object(
+            torch.distributed, "all_reduce", wraps=torch.distributed.all_reduce
+        )
+        values = self.split(self.values, requires_grad=True)
+        with plan, collective as all_reduce:
+            with created_tensors.replicate_created_tensors(self.mesh):
+                with batch_reductions.means_reduced_with_gradients():
+                    value = loss_module.reduce_weighted_values(
+                        values, reduction="sum_over_batch_size"
+                    )
+            (value * 3.0).backward()
+        self.assertEqual(all_reduce.call_count, 0)
+        self.assertEqual(tuple(value.placements), (Partial("avg"),))
+        # This process's local mean, and the gradient of the mean over 2
+        # processes' values: each local value's 1 / (2 * its count).
+        np.testing.assert_allclose(
+            value.to_local().detach().numpy(), self.values.mean(), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            values.grad.full_tensor().numpy(),
+            np.full(self.values.shape, 3.0 / self.values.size / 2),
+            rtol=1e-6,
+        )
+        # Outside the block, a mean is reduced where it is computed.
+        values = self.split(self.values)
+        with plan:
+            with created_tensors.replicate_created_tensors(self.mesh):
+                value = loss_module.reduce_weighted_values(
+                    values, reduction="sum_over_batch_size"
+                )
+        self.assertEqual(tuple(value.placements), (Replicate(),))
+
+    def test_whole_value_reduces_partial_values_only(self):
+        mesh = self.mesh.backend_mesh
+        for reduce_op in ("sum", "avg"):
+            with self.subTest(reduce_op):
+                partial = DTensor.from_local(
+                    torch.tensor(2.5), mesh, [Partial(reduce_op)]
+                )
+                whole = batch_reductions.whole_value(partial)
+                self.assertEqual(tuple(whole.placements), (Replicate(),))
+                # Over one process the value is this process's.
+                self.assertEqual(whole.to_local().item(), 2.5)
+        replicated = distribute_tensor(torch.tensor(2.5), mesh, [Replicate()])
+        maximum = DTensor.from_local(torch.tensor(2.5), mesh, [Partial("max")])
+        plain = torch.tensor(2.5)
+        for value in (replicated, maximum, plain, None, 3):
+            self.assertIs(batch_reductions.whole_value(value), value)
 
     def test_plan_names_no_mesh_dim_to_reduce(self):
         values = self.split(self.values)

@@ -94,6 +94,7 @@ from torch.utils import _pytree
 
 from keras.src import tree
 from keras.src.backend.torch import batch_local
+from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import gradient_buckets
@@ -323,11 +324,17 @@ def train_step_with_detached_predictions(trainer, eager=False):
     before the gradients and the gradients computed outside Dynamo.
 
     It is the copy, in `TRAIN_STEP_COPIES`, of the installed keras's
-    `train_step`, with two changes: no narrower edit can make them,
-    since both act on local variables of that one function (`y_pred`
-    between the loss and the gradients, and `loss.backward()`). The
-    computation is upstream's, with the same values: the metrics read the
-    same predictions, without their autograd history. An eager step
+    `train_step`, with three changes: no narrower edit can make them,
+    since they act on local variables of that one function (`y_pred`
+    between the loss and the gradients, `loss.backward()`, and the loss
+    between its computation and the loss tracker). The computation is
+    upstream's, with the same values: the metrics read the same
+    predictions, without their autograd history; the loss is computed in
+    `batch_reductions.means_reduced_with_gradients`, reduced in the
+    gradients' last bucket (`gradient_buckets.reduced_with_gradients`),
+    and the loss tracker updated with it after the optimizer, where
+    upstream updates it before backward: a DataParallel step then issues
+    no collective of the loss's own. An eager step
     (`eager=True`) also clears and lists the gradients with the step's
     torch function mode suspended (`outside_step_mode`), and runs in
     `batch_local.accumulating_into_variables`: its `loss.backward()`
@@ -383,21 +390,27 @@ def train_step_copy_3_15(trainer, eager=False):
         else:
             y_pred = trainer(x)
         outside_mode(trainer.zero_grad)
-        loss = trainer._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+        with batch_reductions.means_reduced_with_gradients():
+            loss = trainer._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+        with gradient_buckets.reduced_with_gradients(loss) as tracked:
+            if trainer.optimizer is not None:
+                loss = trainer.optimizer.scale_loss(loss)
+            y_pred = _pytree.tree_map_only(
+                torch.Tensor, torch.Tensor.detach, y_pred
+            )
+            _apply_gradients(trainer, loss, gradients_of)
         trainer._loss_tracker.update_state(
-            loss,
+            tracked.value(),
             sample_weight=next(
                 i for i in tree.flatten(x) if i is not None
             ).shape[0],
         )
-        if trainer.optimizer is not None:
-            loss = trainer.optimizer.scale_loss(loss)
-        y_pred = _pytree.tree_map_only(
-            torch.Tensor, torch.Tensor.detach, y_pred
-        )
-        _apply_gradients(trainer, loss, gradients_of)
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )
@@ -432,23 +445,30 @@ def train_step_copy_3_16_dev(trainer, eager=False):
         else:
             y_pred = model(x)
         outside_mode(model.zero_grad)
-        loss = trainer._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+        with batch_reductions.means_reduced_with_gradients():
+            loss = trainer._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+        with gradient_buckets.reduced_with_gradients(loss) as tracked:
+            if trainer.optimizer is not None:
+                loss = trainer.optimizer.scale_loss(loss)
+            y_pred = _pytree.tree_map_only(
+                torch.Tensor, torch.Tensor.detach, y_pred
+            )
+            _apply_gradients(trainer, loss, gradients_of)
+        tracked = tracked.value()
         trainer._loss_tracker.update_state(
-            loss.detach() if isinstance(loss, torch.Tensor) else loss,
+            tracked.detach() if isinstance(tracked, torch.Tensor) else tracked,
             sample_weight=(
                 x.shape[0]
                 if isinstance(x, torch.Tensor)
                 else next(i for i in tree.flatten(x) if i is not None).shape[0]
             ),
         )
-        if trainer.optimizer is not None:
-            loss = trainer.optimizer.scale_loss(loss)
-        y_pred = _pytree.tree_map_only(
-            torch.Tensor, torch.Tensor.detach, y_pred
-        )
-        _apply_gradients(trainer, loss, gradients_of)
         return trainer.compute_metrics(
             x, y, y_pred, sample_weight=sample_weight
         )

@@ -34,8 +34,14 @@ Mesh axes of one process need no reduction: a partial sum over one
 process is the whole sum. A gradient that differs from its parameter's
 placements only on such axes is handed to the parameter at once, as the
 same local tensor laid out as the parameter, without a bucket.
+
+A partial value that is not a gradient can ride along with them
+(`reduced_with_gradients`): the train step's loss, a partial mean, joins
+the bucket sent when backward ends, as one more element, instead of
+being all-reduced by itself.
 """
 
+import contextlib
 import functools
 import os
 
@@ -81,6 +87,7 @@ class _Bucket:
         self.nbytes = 0
         self.flat = None
         self.work = None
+        self.riders = ()
 
     def add(self, parameter, local):
         """Adds a local gradient, summed with the parameter's earlier one."""
@@ -92,9 +99,14 @@ class _Bucket:
         self.entries.append((parameter, local))
         self.nbytes += local.numel() * local.element_size()
 
-    def launch(self):
-        """Flattens the bucket and starts reducing it over its first axis."""
-        self.flat = torch.cat([entry[-1].reshape(-1) for entry in self.entries])
+    def launch(self, riders=()):
+        """Flattens the bucket, with the local values of `riders` (`_Rider`)
+        after the gradients, and starts reducing it over its first axis."""
+        self.riders = riders
+        self.flat = torch.cat(
+            [entry[-1].reshape(-1) for entry in self.entries]
+            + [rider.local.reshape(-1) for rider in riders]
+        )
         # Keep only the shapes: the unreduced gradients can be freed.
         self.entries = [
             (parameter, local.shape) for parameter, local in self.entries
@@ -136,16 +148,56 @@ class _Bucket:
                 local = _accumulated(parameter, local)
             parameter.grad = _like_parameter(local, parameter)
             assigned.add(id(parameter))
+        for rider in self.riders:
+            numel = rider.local.numel()
+            rider.finish(self.flat.as_strided((numel,), (1,), offset))
+            offset += numel
 
 
 class _PendingReduction:
-    """The buckets of the backward pass in progress."""
+    """The buckets of the backward pass in progress, and the riders
+    (`reduced_with_gradients`) waiting for its last buckets."""
 
     def __init__(self):
         self.open = {}
         self.launched = []
         self.finalizer_queued = False
         self.cap_bytes = None
+        self.riders = []
+
+
+class _Rider:
+    """A partial DTensor that may be reduced in a bucket of gradients.
+
+    Its local tensor joins the bucket of gradients partial over the same
+    mesh axes, on the same mesh, of its dtype, sent when backward ends;
+    `value()` is then its reduced value, replicated, else the DTensor as
+    it was given.
+    """
+
+    def __init__(self, value, key, divisor):
+        self.value_given = value
+        self.local = None if key is None else value._local_tensor.detach()
+        self.key = key
+        self.divisor = divisor
+        self.reduced = None
+
+    def finish(self, summed):
+        """Keeps the reduced value, from its sum over the processes."""
+        if self.divisor > 1:
+            summed = summed / self.divisor
+        spec = self.value_given._spec
+        replicated = (Replicate(),) * spec.mesh.ndim
+        self.reduced = dtensor_layouts.dtensor_from_spec(
+            summed.view(self.local.shape),
+            DTensorSpec(spec.mesh, replicated, tensor_meta=spec.tensor_meta),
+        )
+
+    def value(self):
+        """The reduced value if a bucket carried it, else the value."""
+        if self.reduced is None:
+            return self.value_given
+        return self.reduced
 
 
 _PENDING = _PendingReduction()
@@ -411,6 +463,65 @@ def _partial_sum_reduction(mesh, current_placements, placements):
     return tuple(partial_dims), reduce_op
 
 
+@contextlib.contextmanager
+def reduced_with_gradients(value):
+    """Has the buckets sent when backward ends reduce `value` too.
+
+    `value` rides along when it is a DTensor partial (`Partial("sum")` or
+    `Partial("avg")`) over some mesh axes and replicated over the others,
+    and a backward pass run inside the block sends, when it ends, a bucket
+    of gradients partial over the same axes with the same dtype: the
+    sum's one all-reduce then reduces it too, where it would need one of
+    its own. Otherwise nothing happens. Whether it rides depends only on
+    placements, dtypes and the order of the program, the same on every
+    process.
+
+    Args:
+        value: the value, e.g. the train step's loss.
+
+    Yields:
+        A `_Rider`, whose `value()` after the block is the value reduced
+        by the buckets (a replicated DTensor), or `value` itself if no
+        bucket carried it.
+    """
+    rider = _rider(value)
+    if rider.key is not None:
+        _PENDING.riders.append(rider)
+    try:
+        yield rider
+    finally:
+        if rider in _PENDING.riders:
+            _PENDING.riders.remove(rider)
+
+
+def _rider(value):
+    """The `_Rider` of `value`, with no bucket key unless it may ride."""
+    if type(value) is not DTensor:
+        return _Rider(value, None, 1)
+    spec = value._spec
+    partial_dims = []
+    divisor = 1
+    for mesh_dim, placement in enumerate(spec.placements):
+        if (
+            type(placement) is Replicate
+            or _mesh_dim_size(spec.mesh, mesh_dim) == 1
+        ):
+            continue
+        if type(placement) is not Partial or placement.reduce_op not in (
+            "sum",
+            "avg",
+        ):
+            return _Rider(value, None, 1)
+        partial_dims.append(mesh_dim)
+        if placement.reduce_op == "avg":
+            divisor *= _mesh_dim_size(spec.mesh, mesh_dim)
+    if not partial_dims:
+        return _Rider(value, None, 1)
+    reduction = (tuple(partial_dims), "sum")
+    key = _bucket_key(spec.mesh, reduction, spec.tensor_meta.dtype)[1]
+    return _Rider(value, key, divisor)
+
+
 def _queue_finalizer():
     """Arranges for `_finish_backward` to run when backward ends.
 
@@ -444,8 +555,10 @@ def _finish_backward():
     _PENDING = _PendingReduction()
     assigned = set()
     with torch.no_grad():
-        for bucket in pending.open.values():
-            bucket.launch()
+        for key, bucket in pending.open.items():
+            bucket.launch(
+                [rider for rider in pending.riders if rider.key == key]
+            )
             pending.launched.append(bucket)
         for bucket in pending.launched:
             bucket.finish(assigned)

@@ -231,6 +231,90 @@ class GradientBucketsTest(testing.TestCase):
             )
         self.assertFalse(gradient_buckets._PENDING.finalizer_queued)
 
+    def partial_scalar(self, value, reduce_op="avg", dtype=torch.float32):
+        return DTensor.from_local(
+            torch.tensor(value, dtype=dtype),
+            self.mesh,
+            [Partial(reduce_op)],
+            run_check=False,
+        )
+
+    def test_a_partial_value_rides_the_last_bucket(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        loss = self.partial_scalar(3.0)
+        with counting_all_reduce() as all_reduce:
+            with gradient_buckets.reduced_with_gradients(loss) as rider:
+                mlp_loss(parameters, self.mesh).backward()
+        # One collective: the gradients' bucket, one element longer.
+        self.assertEqual(all_reduce.call_count, 1)
+        flat = all_reduce.call_args.args[0]
+        self.assertEqual(flat.numel(), sum(np.prod(s) for s in self.shapes) + 1)
+        value = rider.value()
+        self.assertIsInstance(value, DTensor)
+        self.assertEqual(tuple(value.placements), (Replicate(),))
+        self.assertEqual(value.shape, ())
+        # The sum over the (pretended) 2 processes, averaged: over this one
+        # process the all-reduce leaves 3.0, divided by 2.
+        self.assertEqual(value.to_local().item(), 1.5)
+        for parameter, expected in zip(parameters, self.reference_gradients()):
+            self.assertAllClose(
+                parameter.grad.full_tensor().numpy(), expected, atol=1e-6
+            )
+        self.assertEqual(gradient_buckets._PENDING.riders, [])
+
+    def test_a_partial_sum_rides_undivided(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        loss = self.partial_scalar(3.0, reduce_op="sum")
+        with gradient_buckets.reduced_with_gradients(loss) as rider:
+            mlp_loss(parameters, self.mesh).backward()
+        self.assertEqual(rider.value().to_local().item(), 3.0)
+
+    def test_values_that_cannot_ride_are_left_as_they_are(self):
+        replicated = distribute_tensor(
+            torch.tensor(2.0), self.mesh, [Replicate()]
+        )
+        cases = {
+            "replicated": replicated,
+            "plain": torch.tensor(2.0),
+            "other dtype": self.partial_scalar(2.0, dtype=torch.float64),
+            "max": self.partial_scalar(2.0, reduce_op="max"),
+        }
+        for name, value in cases.items():
+            with self.subTest(name):
+                parameters = replicated_parameters(self.mesh, self.shapes)
+                with counting_all_reduce() as all_reduce:
+                    with gradient_buckets.reduced_with_gradients(
+                        value
+                    ) as rider:
+                        mlp_loss(parameters, self.mesh).backward()
+                self.assertIs(rider.value(), value)
+                flat = all_reduce.call_args.args[0]
+                self.assertEqual(
+                    flat.numel(), sum(np.prod(s) for s in self.shapes)
+                )
+
+    def test_no_open_bucket_at_the_end_leaves_the_value_alone(self):
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        loss = self.partial_scalar(3.0)
+        with mock.patch.dict(
+            os.environ, {gradient_buckets.BUCKET_CAP_ENV_VAR: "0"}
+        ):
+            with gradient_buckets.reduced_with_gradients(loss) as rider:
+                mlp_loss(parameters, self.mesh).backward()
+        self.assertIs(rider.value(), loss)
+
+    def test_a_value_given_without_backward_does_not_ride_later(self):
+        loss = self.partial_scalar(3.0)
+        with gradient_buckets.reduced_with_gradients(loss) as rider:
+            self.assertEqual(gradient_buckets._PENDING.riders, [rider])
+        self.assertEqual(gradient_buckets._PENDING.riders, [])
+        parameters = replicated_parameters(self.mesh, self.shapes)
+        with counting_all_reduce() as all_reduce:
+            mlp_loss(parameters, self.mesh).backward()
+        flat = all_reduce.call_args.args[0]
+        self.assertEqual(flat.numel(), sum(np.prod(s) for s in self.shapes))
+        self.assertIs(rider.value(), loss)
+
     def test_partial_sum_reduction_plans(self):
         partial = (Partial(),)
         self.assertEqual(

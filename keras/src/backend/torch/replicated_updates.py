@@ -33,7 +33,9 @@ An update (an optimizer step, a metric's `update_state`) counts as an
 effect for `batch_local`, as an assignment on DTensors does: a layer call
 watched while it updated a metric this way keeps running on DTensors.
 
-Collectives: none, here or in the DTensor computation it replaces.
+Collectives: none, here or in the DTensor computation it replaces,
+except the all-reduce of a partial value passed to a metric update, which
+the DTensor computation issues too.
 """
 
 import contextlib
@@ -45,6 +47,7 @@ from torch.distributed.tensor import Replicate
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.torch import batch_local
+from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 
@@ -105,7 +108,10 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     update runs on their local tensors; arguments that are not tensors
     (the trainer passes the batch size as a Python number) are passed as
     they are, and become plain tensors where DTensor would have made
-    replicated ones of the same values.
+    replicated ones of the same values. A value or weight that is a
+    partial scalar (the train step's loss where no gradient bucket
+    carried it) is first all-reduced (`batch_reductions.whole_value`),
+    where the update on DTensors would have redistributed it.
 
     Args:
         metric: the metric.
@@ -116,6 +122,8 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     Returns:
         What `upstream_update` returns.
     """
+    values = batch_reductions.whole_value(values)
+    sample_weight = batch_reductions.whole_value(sample_weight)
     tensors = [
         x for x in (values, sample_weight) if isinstance(x, torch.Tensor)
     ]
