@@ -390,23 +390,11 @@ def train_step_copy_3_15(trainer, eager=False):
         else:
             y_pred = trainer(x)
         outside_mode(trainer.zero_grad)
-        with batch_reductions.means_reduced_with_gradients():
-            loss = trainer._compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
-        with gradient_buckets.reduced_with_gradients(loss) as tracked:
-            if trainer.optimizer is not None:
-                loss = trainer.optimizer.scale_loss(loss)
-            y_pred = _pytree.tree_map_only(
-                torch.Tensor, torch.Tensor.detach, y_pred
-            )
-            _apply_gradients(trainer, loss, gradients_of)
+        tracked, y_pred = _loss_then_gradients(
+            trainer, x, y, y_pred, sample_weight, gradients_of
+        )
         trainer._loss_tracker.update_state(
-            tracked.value(),
+            tracked,
             sample_weight=next(
                 i for i in tree.flatten(x) if i is not None
             ).shape[0],
@@ -445,22 +433,9 @@ def train_step_copy_3_16_dev(trainer, eager=False):
         else:
             y_pred = model(x)
         outside_mode(model.zero_grad)
-        with batch_reductions.means_reduced_with_gradients():
-            loss = trainer._compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
-        with gradient_buckets.reduced_with_gradients(loss) as tracked:
-            if trainer.optimizer is not None:
-                loss = trainer.optimizer.scale_loss(loss)
-            y_pred = _pytree.tree_map_only(
-                torch.Tensor, torch.Tensor.detach, y_pred
-            )
-            _apply_gradients(trainer, loss, gradients_of)
-        tracked = tracked.value()
+        tracked, y_pred = _loss_then_gradients(
+            trainer, x, y, y_pred, sample_weight, gradients_of
+        )
         trainer._loss_tracker.update_state(
             tracked.detach() if isinstance(tracked, torch.Tensor) else tracked,
             sample_weight=(
@@ -487,6 +462,51 @@ def _gradients_by_grad(grad, loss, trainable_weights):
     inputs = [t for t in trainable_tensors if t.requires_grad]
     grads = iter(grad(loss, inputs, allow_unused=True)) if inputs else iter(())
     return [next(grads) if t.requires_grad else None for t in trainable_tensors]
+
+
+def _loss_then_gradients(trainer, x, y, y_pred, sample_weight, gradients_of):
+    """The middle of upstream's `train_step`, as each copy has it, with the
+    loss reduced in the gradients' last bucket.
+
+    The loss is computed in `batch_reductions.means_reduced_with_gradients`
+    (a mean over the batch is left partial), scaled by the optimizer, and
+    its gradients applied (`_apply_gradients`) with `y_pred` detached;
+    the gradient buckets sent when backward ends reduce it too
+    (`gradient_buckets.reduced_with_gradients`).
+
+    A compiled step (whose losses are reduced on DTensors, not locally:
+    nothing is left partial) computes them as upstream does, without these
+    contexts in its graph.
+
+    Returns:
+        `(loss, y_pred)`: the loss as the loss tracker reads it (reduced,
+        or still partial where no bucket carried it: the tracker's update
+        then all-reduces it) and the detached predictions.
+    """
+    compiled = torch.compiler.is_compiling()
+    if compiled:
+        means_left_partial = contextlib.nullcontext()
+    else:
+        means_left_partial = batch_reductions.means_reduced_with_gradients()
+    with means_left_partial:
+        loss = trainer._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+    tracked = loss
+    if compiled:
+        carried = contextlib.nullcontext()
+    else:
+        carried = gradient_buckets.reduced_with_gradients(loss)
+    with carried as rider:
+        if trainer.optimizer is not None:
+            loss = trainer.optimizer.scale_loss(loss)
+        y_pred = _pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.detach, y_pred
+        )
+        _apply_gradients(trainer, loss, gradients_of)
+    if rider is not None:
+        tracked = rider.value()
+    return tracked, y_pred
 
 
 def _apply_gradients(trainer, loss, gradients_of):
