@@ -94,6 +94,17 @@ refuses.
 - **`squeeze` of several dimensions and `complex` (torch 2.11).** Torch
   2.11's DTensor has no rule for either (`ops.squeeze` with a tuple of
   axes; `ops.istft`): the rules keep a split of the dimensions they keep.
+- **Transposing a dimension split over several mesh axes (torch <
+  2.12).** A variable laid out `(None, ("model", "fsdp"))` (what
+  `merge_layouts` gives a column kernel under tensor parallelism and full
+  sharding) is split along one dimension over two mesh axes, the second
+  as a `_StridedShard`. Torch 2.11's `t` rule moves each `Shard` to the
+  other dimension of a matrix but leaves a `_StridedShard` where it was:
+  the transposed kernel that backward multiplies by (`mm`'s gradient)
+  was laid out as split along both dimensions, which its local tensor
+  is not, and DTensor's planner refused to gather it ("unable to be
+  interpreted into a corresponding shard_order"). The rule moves a
+  `_StridedShard` with its dimension, as torch 2.13's does.
 - **Unbinding a sharded dimension.** Torch's `unbind` rule refuses to
   split a tensor along a dimension it is sharded on ("Attempted to unbind
   along the sharded dimension"). Iterating over a tensor unbinds its
@@ -175,6 +186,7 @@ def register():
     _register_view_fallbacks()
     _register_unbind_fallback()
     _register_stack_dim_normalized()
+    _register_transpose_moves_strided_shards()
     _register_replicated_fallback()
 
 
@@ -558,6 +570,50 @@ def stack_with_dim_normalized(rule):
         return rule(op_schema)
 
     strategy.keras_dim_normalized = True
+    return strategy
+
+
+def _register_transpose_moves_strided_shards():
+    """Makes `t`'s rule move a `_StridedShard` with its dimension
+    (`transpose_moves_strided_shards`)."""
+    _wrap_rule(
+        torch.ops.aten.t.default,
+        transpose_moves_strided_shards,
+        "keras_strided_shards_moved",
+    )
+
+
+def transpose_moves_strided_shards(rule):
+    """A `t` rule whose output moves a matrix's `_StridedShard`.
+
+    Where `rule` left a `_StridedShard` of a 2-D input on its dimension
+    (torch 2.11), the output has it on the other dimension, with the same
+    split factor; a `Shard` is `rule`'s to move, and an output that moved
+    it already (torch 2.13) is left as it is.
+    """
+
+    def strategy(op_schema):
+        result = rule(op_schema)
+        for spec in result.strategies:
+            source = spec.input_specs[0]
+            if source.ndim != 2:
+                continue
+            placements = list(spec.output_spec.placements)
+            for mesh_dim, placement in enumerate(source.placements):
+                if (
+                    isinstance(placement, _StridedShard)
+                    and placements[mesh_dim] == placement
+                ):
+                    placements[mesh_dim] = _StridedShard(
+                        1 - placement.dim, split_factor=placement.split_factor
+                    )
+            if tuple(placements) != spec.output_spec.placements:
+                spec.output_specs = DTensorSpec(
+                    spec.output_spec.mesh, tuple(placements)
+                )
+        return result
+
+    strategy.keras_strided_shards_moved = True
     return strategy
 
 

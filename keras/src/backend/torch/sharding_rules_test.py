@@ -703,6 +703,43 @@ class StackDimTest(testing.TestCase):
         self.assertTrue(rule.keras_dim_normalized)
 
 
+class StridedTransposeTest(testing.TestCase):
+    """`t` moves a `_StridedShard` with its dimension."""
+
+    def test_strided_shard_moves_to_the_other_dimension(self):
+        sharding_rules.register()
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("fsdp", "model"), ["cpu:0"]
+        ).backend_mesh
+        values = np.arange(8 * 4, dtype="float32").reshape(8, 4)
+        # Dimension 0 split over both axes, "model" first: what
+        # `(("model", "fsdp"), None)` gives a kernel (on axes of one process
+        # the split factor is only a label; `layout_helpers_test` runs the
+        # same transposes on a (2, 2) mesh).
+        kernel = distribute_tensor(
+            torch.from_numpy(values),
+            mesh,
+            [_StridedShard(0, split_factor=2), Shard(0)],
+        )
+        for transpose in (torch.t, lambda x: x.transpose(0, 1)):
+            transposed = transpose(kernel)
+            # Torch 2.11's own `t` rule left `_StridedShard(dim=0)`.
+            self.assertEqual(
+                transposed.placements,
+                (_StridedShard(1, split_factor=2), Shard(1)),
+            )
+            self.assertAllClose(transposed.to_local().numpy(), values.T)
+
+    def test_register_wraps_once(self):
+        sharding_rules.register()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        op = torch.ops.aten.t.default
+        rule = propagator.op_strategy_funcs[op]
+        sharding_rules._register_transpose_moves_strided_shards()
+        self.assertIs(propagator.op_strategy_funcs[op], rule)
+        self.assertTrue(rule.keras_strided_shards_moved)
+
+
 class CpuAttentionBackwardTest(testing.TestCase):
     """The CPU flash-attention backward runs in its query's layout."""
 
