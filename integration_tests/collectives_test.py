@@ -7,10 +7,11 @@ the count of each collective (counts, not times):
 - `DataParallel` MLP: the gradients of all 6 variables are reduced in one
   bucketed all-reduce (`c10d.allreduce_`), and the loss rides in the same
   bucket, read after backward; AdamW adds nothing to SGD with momentum
-  (the optimizer never meets a partial gradient). With a bucket cap of 0
-  MB, each gradient is its own bucket, sent during backward, and the
-  loss takes one DTensor all-reduce of its own after backward; the
-  losses are the same bits either way.
+  (the optimizer never meets a partial gradient), nor does a
+  `LossScaleOptimizer`, which scales the partial loss before backward.
+  With a bucket cap of 0 MB, each gradient is its own bucket, sent
+  during backward, and the loss takes one DTensor all-reduce of its own
+  after backward; the losses are the same bits either way.
 - A Megatron MLP block (column- then row-parallel kernels, the block's
   input and output replicated by `<layer>/output` layouts) under
   `ModelParallel` on a (1, 2) mesh: 1 all-reduce forward (counted when
@@ -64,6 +65,7 @@ import pytest
 RUNS = [
     "dp:sgd",
     "dp:adamw",
+    "dp:lso",
     "dp:sgd:0",
     "tp:sgd",
     "tp:adamw",
@@ -108,7 +110,7 @@ def counts(report, run):
     return report[f"{run}/counts"]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "lso"])
 def test_data_parallel_step_has_one_gradient_bucket(reports, optimizer):
     """One collective a step: the gradients' bucket, with the loss."""
     for report in reports:
@@ -168,13 +170,14 @@ def test_local_mean_is_waited_for_where_it_is_issued(reports, case):
         assert not report[f"reduce/{case}/dtensor"]["pending"]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "lso"])
 def test_data_parallel_step_reduces_its_loss_with_the_gradients(
     reports, optimizer
 ):
     """The train step's loss, computed on local tensors, is left partial
     through backward and reduced in the gradients' bucket: no all-reduce
-    of its own. Its losses are the single-process ones
+    of its own, also where a `LossScaleOptimizer` (`lso`) scales it before
+    backward. Its losses are the single-process ones
     (`test_losses_equal_single_process`)."""
     for report in reports:
         assert report[f"dp:{optimizer}/events"] == ["gradients reduced"]

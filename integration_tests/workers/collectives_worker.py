@@ -141,6 +141,17 @@ def counted_mse(y_true, y_pred):
     return keras.losses.mean_squared_error(y_true, y_pred)
 
 
+def make_optimizer(name):
+    """`sgd` (momentum 0.9), `adamw`, or `lso`: SGD with momentum inside a
+    `LossScaleOptimizer`, which scales the loss before backward."""
+    if name == "adamw":
+        return keras.optimizers.AdamW(0.01)
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    if name == "lso":
+        return keras.optimizers.LossScaleOptimizer(sgd, initial_scale=2.0**8)
+    return sgd
+
+
 def train(mode, optimizer_name, distributed=True):
     """Returns the model and its losses over 3 steps (the last counted)."""
     # `tp` is tensor parallelism on the (1, N) mesh of `mp`.
@@ -153,11 +164,7 @@ def train(mode, optimizer_name, distributed=True):
         )
     keras.utils.set_random_seed(7)
     model = build(mode)
-    optimizer = (
-        keras.optimizers.SGD(0.1, momentum=0.9)
-        if optimizer_name == "sgd"
-        else keras.optimizers.AdamW(0.01)
-    )
+    optimizer = make_optimizer(optimizer_name)
     model.compile(optimizer=optimizer, loss=counted_mse)
     if mode == "fsdpremat":
         kd.remat_layers(model, r"block\d")
