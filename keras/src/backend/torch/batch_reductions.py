@@ -55,6 +55,7 @@ partial scalar with the all-reduce used here; metric updates take it.
 
 import collections
 import contextlib
+import math
 import weakref
 
 import torch
@@ -410,21 +411,10 @@ def whole_value(value):
     if type(value) is not DTensor:
         return value
     spec = value._spec
-    summed = []
-    divisor = 1
-    for mesh_dim, placement in enumerate(spec.placements):
-        if type(placement) is Replicate:
-            continue
-        if type(placement) is not Partial or placement.reduce_op not in (
-            "sum",
-            "avg",
-        ):
-            return value
-        summed.append(mesh_dim)
-        if placement.reduce_op == "avg":
-            divisor *= spec.mesh.size(mesh_dim)
-    if not summed:
+    reduction = dtensor_layouts.additive_partial_dims(spec)
+    if reduction is None:
         return value
+    summed, averaged = reduction
     local = dtensor_layouts.waited_local_tensor(value).detach()
     if created_tensors.current_mode() is None:
         suspended = contextlib.nullcontext()
@@ -434,12 +424,10 @@ def whole_value(value):
         for mesh_dim in summed:
             if spec.mesh.size(mesh_dim) > 1:
                 local = _all_reduce_sum(local, spec.mesh, mesh_dim)
+        divisor = math.prod(spec.mesh.size(mesh_dim) for mesh_dim in averaged)
         if divisor > 1:
             local = local / divisor
-    replicated = (Replicate(),) * spec.mesh.ndim
-    return dtensor_layouts.dtensor_from_spec(
-        local, DTensorSpec(spec.mesh, replicated, tensor_meta=spec.tensor_meta)
-    )
+    return dtensor_layouts.replicated_like(local, spec)
 
 
 def _all_reduce_sum(tensor, mesh, mesh_dim):

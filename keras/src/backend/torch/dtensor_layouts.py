@@ -13,9 +13,11 @@ import math
 
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 # The backend form of a `TensorLayout`: the torch mesh, one placement per
@@ -175,3 +177,39 @@ def copy_spec(spec):
     copied = object.__new__(type(spec))
     copied.__dict__.update(spec.__dict__)
     return copied
+
+
+def additive_partial_dims(spec):
+    """`(partial mesh dims, averaged mesh dims)` of a partial DTensor.
+
+    The whole value of a DTensor whose placements are `Replicate`,
+    `Partial("sum")` and `Partial("avg")` is the sum of the processes'
+    local values over its partial mesh dims, divided by the number of
+    processes of the averaged ones (a subset). None where some placement
+    is another one, or none is partial.
+    """
+    partial = []
+    averaged = []
+    for mesh_dim, placement in enumerate(spec.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Partial or placement.reduce_op not in (
+            "sum",
+            "avg",
+        ):
+            return None
+        partial.append(mesh_dim)
+        if placement.reduce_op == "avg":
+            averaged.append(mesh_dim)
+    if not partial:
+        return None
+    return tuple(partial), tuple(averaged)
+
+
+def replicated_like(local, spec):
+    """A replicated DTensor of `local` (the whole value, not requiring
+    gradients), with `spec`'s mesh and global metadata."""
+    replicated = (Replicate(),) * spec.mesh.ndim
+    return dtensor_from_spec(
+        local, DTensorSpec(spec.mesh, replicated, tensor_meta=spec.tensor_meta)
+    )

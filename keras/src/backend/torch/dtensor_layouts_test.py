@@ -1,8 +1,10 @@
 """Tests of Keras layouts as DTensor placements (no process group)."""
 
 import numpy as np
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import testing
@@ -124,3 +126,23 @@ class ValidateLayoutTest(testing.TestCase):
         dtensor_layouts.validate_layout((5, 3), layout, require_divisible=False)
         with self.assertRaisesRegex(ValueError, "not divisible"):
             dtensor_layouts.validate_layout((5, 3), layout)
+
+
+class AdditivePartialDimsTest(testing.TestCase):
+    def test_sum_and_average_dims(self):
+        mesh = mesh_of((1, 1), ("batch", "model"))
+        cases = {
+            (Partial("avg"), Replicate()): ((0,), (0,)),
+            (Partial("sum"), Partial("avg")): ((0, 1), (1,)),
+            (Replicate(), Partial()): ((1,), ()),
+            (Replicate(), Replicate()): None,
+            (Partial("max"), Replicate()): None,
+            (Shard(0), Partial()): None,
+        }
+        for placements, expected in cases.items():
+            spec = DTensorSpec(mesh.backend_mesh, placements)
+            self.assertEqual(
+                dtensor_layouts.additive_partial_dims(spec),
+                expected,
+                placements,
+            )

@@ -43,6 +43,7 @@ being all-reduced by itself.
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -186,11 +187,8 @@ class _Rider:
         """Keeps the reduced value, from its sum over the processes."""
         if self.divisor > 1:
             summed = summed / self.divisor
-        spec = self.value_given._spec
-        replicated = (Replicate(),) * spec.mesh.ndim
-        self.reduced = dtensor_layouts.dtensor_from_spec(
-            summed.view(self.local.shape),
-            DTensorSpec(spec.mesh, replicated, tensor_meta=spec.tensor_meta),
+        self.reduced = dtensor_layouts.replicated_like(
+            summed.view(self.local.shape), self.value_given._spec
         )
 
     def value(self):
@@ -499,26 +497,15 @@ def _rider(value):
     if type(value) is not DTensor:
         return _Rider(value, None, 1)
     spec = value._spec
-    partial_dims = []
-    divisor = 1
-    for mesh_dim, placement in enumerate(spec.placements):
-        if (
-            type(placement) is Replicate
-            or _mesh_dim_size(spec.mesh, mesh_dim) == 1
-        ):
-            continue
-        if type(placement) is not Partial or placement.reduce_op not in (
-            "sum",
-            "avg",
-        ):
-            return _Rider(value, None, 1)
-        partial_dims.append(mesh_dim)
-        if placement.reduce_op == "avg":
-            divisor *= _mesh_dim_size(spec.mesh, mesh_dim)
-    if not partial_dims:
+    reduction = dtensor_layouts.additive_partial_dims(spec)
+    if reduction is None:
         return _Rider(value, None, 1)
-    reduction = (tuple(partial_dims), "sum")
-    key = _bucket_key(spec.mesh, reduction, spec.tensor_meta.dtype)[1]
+    partial, averaged = reduction
+    partial = tuple(d for d in partial if _mesh_dim_size(spec.mesh, d) > 1)
+    if not partial:
+        return _Rider(value, None, 1)
+    divisor = math.prod(_mesh_dim_size(spec.mesh, d) for d in averaged)
+    key = _bucket_key(spec.mesh, (partial, "sum"), spec.tensor_meta.dtype)[1]
     return _Rider(value, key, divisor)
 
 

@@ -178,15 +178,12 @@ def register():
     register_sharding(
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     )(_cpu_attention_backward_sharding)
-    _register_cpu_attention_backward_in_query_layout()
     for op, rule in _cuda_attention_rules().items():
         register_sharding(op)(rule)
     for op, rule in _ADDED_RULES.items():
         register_sharding(op)(rule)
     _register_view_fallbacks()
-    _register_unbind_fallback()
-    _register_stack_dim_normalized()
-    _register_transpose_moves_strided_shards()
+    _wrap_rules()
     _register_replicated_fallback()
 
 
@@ -427,14 +424,30 @@ def _wrap_rule(op, wrap, marker):
     propagator.propagate_op_sharding.cache_clear()
 
 
-def _register_unbind_fallback():
-    """An `unbind` rule that gathers the unbound dimension where torch's
-    refuses."""
-    _wrap_rule(
-        torch.ops.aten.unbind.int,
-        unbind_with_gather_fallback,
-        "keras_gather_fallback",
+def _wrapped_rules():
+    """`(op, wrap, marker)` of each DTensor rule `_wrap_rules` wraps."""
+    aten = torch.ops.aten
+    return (
+        (
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            backward_in_query_layout,
+            "keras_query_layout",
+        ),
+        (aten.unbind.int, unbind_with_gather_fallback, "keras_gather_fallback"),
+        (aten.stack.default, stack_with_dim_normalized, "keras_dim_normalized"),
+        (
+            aten.t.default,
+            transpose_moves_strided_shards,
+            "keras_strided_shards_moved",
+        ),
     )
+
+
+def _wrap_rules():
+    """Wraps each rule of `_wrapped_rules` (`_wrap_rule`): once, whatever
+    the number of calls."""
+    for op, wrap, marker in _wrapped_rules():
+        _wrap_rule(op, wrap, marker)
 
 
 def unbind_with_gather_fallback(unbind_rule):
@@ -534,16 +547,6 @@ def _cpu_attention_backward_sharding(
     return _attention_strategies(3, 6, args, kwargs)
 
 
-def _register_stack_dim_normalized():
-    """Makes `stack`'s rule see a non-negative dimension
-    (`stack_with_dim_normalized`)."""
-    _wrap_rule(
-        torch.ops.aten.stack.default,
-        stack_with_dim_normalized,
-        "keras_dim_normalized",
-    )
-
-
 def stack_with_dim_normalized(rule):
     """A `stack` rule given its dimension counted from the front.
 
@@ -571,16 +574,6 @@ def stack_with_dim_normalized(rule):
 
     strategy.keras_dim_normalized = True
     return strategy
-
-
-def _register_transpose_moves_strided_shards():
-    """Makes `t`'s rule move a `_StridedShard` with its dimension
-    (`transpose_moves_strided_shards`)."""
-    _wrap_rule(
-        torch.ops.aten.t.default,
-        transpose_moves_strided_shards,
-        "keras_strided_shards_moved",
-    )
 
 
 def transpose_moves_strided_shards(rule):
@@ -615,17 +608,6 @@ def transpose_moves_strided_shards(rule):
 
     strategy.keras_strided_shards_moved = True
     return strategy
-
-
-def _register_cpu_attention_backward_in_query_layout():
-    """Makes the CPU flash-attention backward run in its query's layout
-    (`backward_in_query_layout`)."""
-    aten = torch.ops.aten
-    _wrap_rule(
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        backward_in_query_layout,
-        "keras_query_layout",
-    )
 
 
 def backward_in_query_layout(rule):

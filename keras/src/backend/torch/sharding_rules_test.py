@@ -513,7 +513,7 @@ class UnbindFallbackTest(testing.TestCase):
     def test_register_wraps_once(self):
         propagator = sharding_rules.DTensor._op_dispatcher.sharding_propagator
         first = propagator.op_strategy_funcs[torch.ops.aten.unbind.int]
-        sharding_rules._register_unbind_fallback()
+        sharding_rules._wrap_rules()
         again = propagator.op_strategy_funcs[torch.ops.aten.unbind.int]
         self.assertIs(first, again)
         self.assertTrue(first.keras_gather_fallback)
@@ -698,7 +698,7 @@ class StackDimTest(testing.TestCase):
         propagator = DTensor._op_dispatcher.sharding_propagator
         op = torch.ops.aten.stack.default
         rule = propagator.op_strategy_funcs[op]
-        sharding_rules._register_stack_dim_normalized()
+        sharding_rules._wrap_rules()
         self.assertIs(propagator.op_strategy_funcs[op], rule)
         self.assertTrue(rule.keras_dim_normalized)
 
@@ -735,7 +735,7 @@ class StridedTransposeTest(testing.TestCase):
         propagator = DTensor._op_dispatcher.sharding_propagator
         op = torch.ops.aten.t.default
         rule = propagator.op_strategy_funcs[op]
-        sharding_rules._register_transpose_moves_strided_shards()
+        sharding_rules._wrap_rules()
         self.assertIs(propagator.op_strategy_funcs[op], rule)
         self.assertTrue(rule.keras_strided_shards_moved)
 
@@ -813,7 +813,7 @@ class CpuAttentionBackwardTest(testing.TestCase):
         rule.assert_called_once_with(schema)
 
     def test_register_wraps_once(self):
-        sharding_rules._register_cpu_attention_backward_in_query_layout()
+        sharding_rules._wrap_rules()
         propagator = DTensor._op_dispatcher.sharding_propagator
         self.assertIs(propagator.op_strategy_funcs[self.op], self.strategy)
         self.assertTrue(self.strategy.keras_query_layout)
