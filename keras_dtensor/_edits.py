@@ -16,6 +16,7 @@ import re
 import sys
 import types
 
+from keras_dtensor import _keras_hub_edits
 from keras_dtensor import _saving_edits
 
 SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
@@ -1328,6 +1329,7 @@ def _merge_edit_tables(*tables):
 POST_IMPORT_EDITS = _merge_edit_tables(
     POST_IMPORT_EDITS,
     _saving_edits.POST_IMPORT_EDITS,
+    _keras_hub_edits.POST_IMPORT_EDITS,
 )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -168,6 +169,50 @@ def distribute_data(data, distribution):
     for i, value in zip(parts, distributed):
         leaves[i] = value
     return tree.pack_sequence_as(data, leaves)
+
+
+def replicate_indivisible_batches(data, distribution):
+    """Replicates the batches in `data` that do not divide evenly.
+
+    A batch whose rows do not divide by the processes that split it
+    (one prompt on a batch axis of two) is laid out replicated along
+    the batch axis instead: every process of a model replica computes
+    every row, and nothing is split unevenly. For calls that run many
+    steps on one batch (keras-hub's `generate`), where an uneven split
+    would gather along the batch at every step. Divisible batches and
+    values without a batch dimension are returned as they are.
+
+    Args:
+        data: nested structure of DTensors, tensors or arrays: the global
+            batch, as every process holds it.
+        distribution: the active `Distribution`.
+
+    Returns:
+        The same structure; the indivisible batches as replicated DTensors.
+    """
+
+    def replicate_one(x):
+        if not _is_batch_array(x):
+            return x
+        layout = dtensor_layouts.backend_layout(
+            distribution.get_data_layout(x.shape)
+        )
+        splits = [
+            layout.mesh.size(mesh_dim)
+            for mesh_dim, p in enumerate(layout.placements)
+            if p.is_shard(0)
+        ]
+        if x.shape[0] % max(1, np.prod(splits, dtype=int)) == 0:
+            return x
+        replicated = [Replicate()] * layout.mesh.ndim
+        if isinstance(x, DTensor):
+            return x.redistribute(x.device_mesh, replicated)
+        value = to_device_tensor(x, layout.mesh)
+        return distribute_tensor(
+            value, layout.mesh, replicated, src_data_rank=None
+        )
+
+    return _map_leaves(replicate_one, data)
 
 
 def _map_leaves(function, data):

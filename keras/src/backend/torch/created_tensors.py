@@ -28,6 +28,8 @@ from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
+from keras.src.backend.torch import in_place_writes
+from keras.src.backend.torch import index_reductions
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch.dtensor_layouts import contiguous_strides
 from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
@@ -827,4 +829,6 @@ _HANDLERS = {
     torch.Tensor.contiguous: _contiguous,
     **{func: _signal_transform for func in _SIGNAL_RANK},
     **{func: _along_one_dimension for func in _DIMENSION_ARGUMENTS},
+    **in_place_writes.HANDLERS,
+    **index_reductions.HANDLERS,
 }
