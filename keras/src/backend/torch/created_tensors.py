@@ -17,6 +17,7 @@ redistribute DTensors; all run inside the step, on every process alike.
 import contextlib
 import threading
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
@@ -28,8 +29,9 @@ from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from keras.src import tree
+from keras.src.backend.torch import extreme_reductions
 from keras.src.backend.torch import in_place_writes
-from keras.src.backend.torch import index_reductions
+from keras.src.backend.torch import python_values
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch.dtensor_layouts import contiguous_strides
 from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
@@ -306,6 +308,14 @@ class _CompiledReplicateCreatedTensors(_ReplicateCreatedTensors):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if args and isinstance(args[0], np.ndarray):
+            # Dynamo traces numpy arithmetic (keras-hub's `1 /
+            # np.sqrt(head_dim)`) as torch methods of the array, and hands
+            # them to the mode; calling them fails on the traced array
+            # ("'ndarray' object has no attribute 'reciprocal'", torch
+            # 2.13, no torch issue found). Declined, Dynamo computes the
+            # numpy value itself, with no graph break.
+            return NotImplemented
         kwargs = kwargs or {}
         if func in _HANDLERS:
             value = _HANDLERS[func](self, func, args, kwargs)
@@ -830,5 +840,6 @@ _HANDLERS = {
     **{func: _signal_transform for func in _SIGNAL_RANK},
     **{func: _along_one_dimension for func in _DIMENSION_ARGUMENTS},
     **in_place_writes.HANDLERS,
-    **index_reductions.HANDLERS,
+    **extreme_reductions.HANDLERS,
+    **python_values.HANDLERS,
 }
