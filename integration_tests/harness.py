@@ -7,6 +7,7 @@ compares the reports of all ranks, with each other and with a
 single-process reference. A hang fails the launch at `timeout` seconds.
 """
 
+import importlib
 import json
 import os
 import signal
@@ -23,6 +24,21 @@ WORKERS_DIR = os.path.join(
 RESULT_DIR_ENV = "KERAS_DTENSOR_TEST_RESULT_DIR"
 # Set to 1 to run the workers on NCCL, one visible GPU per process.
 NCCL_ENV_VAR = "KERAS_DTENSOR_TEST_NCCL"
+
+
+def require(module_name):
+    """Imports `module_name` for a test file that needs it.
+
+    Outside CI, a test file whose optional dependency (keras-hub, grain)
+    is not installed is skipped. CI (`CI` set) installs every test
+    requirement, so there a failed import fails the file: a broken
+    install is never hidden as a skip.
+    """
+    if os.environ.get("CI"):
+        return importlib.import_module(module_name)
+    import pytest
+
+    return pytest.importorskip(module_name)
 
 
 class WorkerFailure(AssertionError):

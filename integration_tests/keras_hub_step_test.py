@@ -16,7 +16,7 @@ import os
 import harness
 import pytest
 
-pytest.importorskip("keras_hub")
+harness.require("keras_hub")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "keras_hub_step.py")

@@ -18,7 +18,7 @@ import harness
 import numpy as np
 import pytest
 
-pytest.importorskip("keras_hub")
+harness.require("keras_hub")
 
 MODELS = ("gemma", "llama")
 # A run names its backbone where it trains one (`MESH:OPTIMIZER:MODEL`).

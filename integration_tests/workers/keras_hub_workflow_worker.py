@@ -18,8 +18,9 @@ RUN being `MODEL:MESH:CHECKS`:
     `jit`: the LoRA `fit` with `jit_compile=True`;
     `kv1`: a model with one key/value head on the mesh (the ValueError).
 
-For each MODEL, the process first runs the same checks without a
-distribution (the reference, `<MODEL>/reference/...`), then each RUN
+For each MODEL and set of checks, the process first runs them without a
+distribution (the reference, `<MODEL>/reference/<CHECKS>/...`, where
+CHECKS are those of `tune` and `generate` the RUN has), then each RUN
 (`<RUN>/...`): the same numbers, and the layouts of the variables.
 `generate` after `tune` generates with the tuned model.
 """
@@ -93,6 +94,20 @@ HAND_WRITTEN = {
     ".*feedforward_intermediate_dense/bias": ("model",),
     ".*feedforward_output_dense/kernel": ("model", None),
 }
+# The compiled run's config: as many key/value heads as query heads. With
+# fewer (2 over a model axis of 2), torch 2.13's DTensor fails to
+# propagate a LoRA factor's gradient through the compiled backward
+# (README, "keras-hub").
+JIT_CONFIG = {
+    "num_key_value_heads": 4,
+    "hidden_dim": 64,
+    "intermediate_dim": 128,
+    "head_dim": 16,
+}
+# The `kv1` run's config: one key/value head (multi-query attention).
+KV1_CONFIG = {"num_key_value_heads": 1}
+# The configs of the runs whose reference is their own (`reference_key`).
+OWN_CONFIGS = {"jit": JIT_CONFIG}
 # A variable each model's layout splits, whose placements are reported.
 SPLIT_KERNEL = {
     "gemma": "decoder_block_0/attention/query/kernel",
@@ -159,6 +174,7 @@ def build(model, jit_compile=False, **overrides):
         optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+        sampler="greedy",
         jit_compile=jit_compile,
     )
     return task
@@ -219,15 +235,27 @@ def record_generated(key, outputs):
         record(f"{key}/{name}", np.asarray(outputs[name]).astype(int))
 
 
-def generate(task, stop_token):
-    """Greedy generation: two prompts, one prompt, then with a stop token."""
+def generate(task, stop_token=None):
+    """Greedy generation: two prompts, one prompt, then the two with a stop
+    token (where None, the token generated third for the first prompt:
+    generation stops there for that row). Returns the stop token.
+
+    The reference and the distributed runs make the same calls in the
+    same order, each on a new model (a random sampler, a model's default,
+    would draw anew at each call).
+    """
     two = prompts([3, 5])
-    record_generated("generate/two", task.generate(two, stop_token_ids=None))
+    outputs = task.generate(two, stop_token_ids=None)
+    record_generated("generate/two", outputs)
+    if stop_token is None:
+        stop_token = int(np.asarray(outputs["token_ids"])[0, 5])
+    record("stop_token", stop_token)
     record_generated(
         "generate/one", task.generate(prompts([4]), stop_token_ids=None)
     )
     stopped = task.generate(two, stop_token_ids=[stop_token])
     record_generated("generate/stopped", stopped)
+    return stop_token
 
 
 def save_and_reload(task, model, run_dir):
@@ -242,6 +270,7 @@ def save_and_reload(task, model, run_dir):
     task.save_weights(weights_path)
     x, _, _ = data()
     reloaded = keras.saving.load_model(keras_path)
+    reloaded.compile(sampler="greedy")
     record("save/model_split_kernel", split_kernel_placements(reloaded, model))
     record("save/model_predict", reloaded.predict(x, verbose=0))
     record_generated(
@@ -254,6 +283,7 @@ def save_and_reload(task, model, run_dir):
     distribution = keras.distribution.distribution()
     keras.distribution.set_distribution(None)
     single = keras.saving.load_model(keras_path)
+    single.compile(sampler="greedy")
     record("save/single_predict", single.predict(x, verbose=0))
     record_generated(
         "save/single_generate",
@@ -281,10 +311,9 @@ def placements_of(task, model):
 
 
 def one_key_value_head(model):
-    """Builds a model with one key/value head; records the error."""
-    worker_utils.record_error(
-        "kv1_error", lambda: build(model, num_key_value_heads=1)
-    )
+    """Builds a model with one key/value head, which the published map
+    splits over the model axis; records the error."""
+    worker_utils.record_error("kv1_error", lambda: build(model, **KV1_CONFIG))
 
 
 def checks(task, model, names, stop_token, run_dir):
@@ -297,34 +326,44 @@ def checks(task, model, names, stop_token, run_dir):
 
 
 def reference(model, names):
-    """The run without a distribution; returns the stop token used."""
+    """The run without a distribution, recorded under
+    `<MODEL>/reference/<CHECKS>` (of `tune` and `generate`); returns the
+    stop token used."""
     keras.distribution.set_distribution(None)
-    task = build(model)
-    stop_token = None
-    with worker_utils.prefixed(f"{model}/reference"):
-        if "tune" in names:
+    key = reference_key(names)
+    task = build(model, **OWN_CONFIGS.get(key, {}))
+    with worker_utils.prefixed(f"{model}/reference/{key}"):
+        if "tune" in names or key in OWN_CONFIGS:
             tune(task)
         if "generate" in names:
-            two = task.generate(prompts([3, 5]), stop_token_ids=None)
-            # The token generated third for the first prompt: generation
-            # stops there for that row.
-            stop_token = int(np.asarray(two["token_ids"])[0, 5])
-            record("stop_token", stop_token)
-            generate(task, stop_token)
-    return stop_token
+            return generate(task)
+    return None
+
+
+def reference_key(names):
+    """The checks of `names` that a reference runs, as its key (the `jit`
+    run compares with an eager `tune` of its own config)."""
+    for own in OWN_CONFIGS:
+        if own in names:
+            return own
+    return "+".join(n for n in ("tune", "generate") if n in names) or "none"
 
 
 def run(spec, stop_tokens, run_dir):
     model, mesh, checks_text = spec.split(":")
     names = checks_text.split("+")
-    if model not in stop_tokens:
-        stop_tokens[model] = reference(model, names)
+    key = (model, reference_key(names))
+    if key not in stop_tokens:
+        stop_tokens[key] = reference(model, names)
     set_distribution(model, mesh)
     with worker_utils.prefixed(spec):
         if "kv1" in names:
             one_key_value_head(model)
             return
-        task = build(model, jit_compile="jit" in names)
+        if "jit" in names:
+            task = build(model, jit_compile=True, **JIT_CONFIG)
+        else:
+            task = build(model)
         record("placements", placements_of(task, model))
         if "jit" in names:
             x, y, sample_weight = data()
@@ -345,7 +384,7 @@ def run(spec, stop_tokens, run_dir):
             )
             return
         run_dir = os.path.join(run_dir, spec.replace(":", "_"))
-        checks(task, model, names, stop_tokens[model], run_dir)
+        checks(task, model, names, stop_tokens[key], run_dir)
 
 
 def main():

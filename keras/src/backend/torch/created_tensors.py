@@ -317,7 +317,11 @@ class _CompiledReplicateCreatedTensors(_ReplicateCreatedTensors):
             # numpy value itself, with no graph break.
             return NotImplemented
         kwargs = kwargs or {}
-        if func in _HANDLERS:
+        # A Python value read in a compiled step is a graph break, where
+        # Dynamo reads it itself: the gather of `python_values` would put
+        # a data-dependent read into the graph, which the step's backend
+        # refuses ("aten._local_scalar_dense.default").
+        if func in _HANDLERS and func not in python_values.HANDLERS:
             value = _HANDLERS[func](self, func, args, kwargs)
         else:
             value = func(*args, **kwargs)

@@ -1,0 +1,229 @@
+"""keras-hub's `CausalLM` workflow under a distribution equals one process.
+
+The workflow of the "Distributed tuning with Gemma using Keras" guide,
+with tiny configs and synthetic token ids (`workers/
+keras_hub_workflow_worker.py`): the task laid out by the backbone's
+`get_layout_map` (or a hand-written Megatron map, or DataParallel), LoRA
+enabled after the layout map, `fit` with a weighted metric and the
+padding mask as sample weight, `evaluate`, `predict`, saving and
+reloading (`.keras`, `.weights.h5`, under the distribution and in one
+process without it), and greedy `generate()` (two prompts of unequal
+length, one prompt, a stop token). Every number is checked against the
+same workflow run without a distribution, by the same process:
+- 2 processes: Gemma on (1, 2), (2, 1) and DataParallel (the whole
+  workflow), Llama on (1, 2) and (2, 1), Qwen, Qwen-MoE and Qwen3-MoE on
+  (1, 2) and (2, 1) (generation), Llama3, Mistral and GPT-2 under
+  DataParallel and a hand-written map on (1, 2) (generation); and a
+  Gemma with one key/value head on (1, 2), which gets a clear error;
+- 4 processes: Gemma and Llama on (2, 2);
+- 2 processes, compiled: Gemma's LoRA `fit` with `jit_compile=True`
+  on (1, 2).
+"""
+
+import harness
+import numpy as np
+import pytest
+
+harness.require("keras_hub")
+harness.require("grain")
+
+LOSS_RTOL = 1e-5
+VALUE_ATOL = 1e-5
+WORKFLOW = "tune+generate+save"
+LAUNCHES = {
+    "two": (
+        2,
+        [
+            f"gemma:1x2:{WORKFLOW}",
+            "gemma:2x1:tune+generate",
+            f"gemma:dp:{WORKFLOW}",
+            "gemma:1x2:kv1",
+            "llama:1x2:tune+generate",
+            "llama:2x1:generate",
+            "qwen:1x2:generate",
+            "qwen:2x1:generate",
+            "qwen_moe:1x2:generate",
+            "qwen_moe:2x1:generate",
+            "qwen3_moe:1x2:generate",
+            "qwen3_moe:2x1:generate",
+            "llama3:dp:generate",
+            "llama3:1x2+hand:generate",
+            "mistral:dp:generate",
+            "mistral:1x2+hand:generate",
+            "gpt2:dp:generate",
+            "gpt2:1x2+hand:generate",
+        ],
+    ),
+    "four": (4, ["gemma:2x2:tune+generate", "llama:2x2:generate"]),
+    "compiled": (2, ["gemma:1x2:jit"]),
+}
+RUNS = [run for _, runs in LAUNCHES.values() for run in runs]
+
+
+def runs_with(check):
+    return [run for run in RUNS if check in run.split(":")[2].split("+")]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    reports = {}
+    for name, (nprocs, runs) in LAUNCHES.items():
+        # torch's DETAIL check runs a real collective that torch.compile
+        # refuses to trace (see jit_compile_test); the compiled launch
+        # runs without it.
+        env = {"TORCH_DISTRIBUTED_DEBUG": "OFF"} if name == "compiled" else {}
+        reports[name] = harness.launch(
+            "keras_hub_workflow_worker.py",
+            nprocs,
+            tmp_path_factory.mktemp(f"keras_hub_workflow_{name}"),
+            args=runs,
+            timeout=900,
+            env=env,
+        )
+    return reports
+
+
+def reports_of(launches, run):
+    (name,) = [n for n, (_, runs) in LAUNCHES.items() if run in runs]
+    return launches[name]
+
+
+def reference_key(run):
+    """The reference a run is checked against (as the worker keys it)."""
+    names = run.split(":")[2].split("+")
+    if "jit" in names:
+        return "jit"
+    return "+".join(n for n in ("tune", "generate") if n in names) or "none"
+
+
+def values(launches, run):
+    """Per rank, (the run's values, its reference's values)."""
+    model = run.split(":")[0]
+    reference = f"{model}/reference/{reference_key(run)}"
+    return [
+        (harness.run_values(report, run), harness.run_values(report, reference))
+        for report in reports_of(launches, run)
+    ]
+
+
+@pytest.mark.parametrize("run", runs_with("tune"))
+def test_lora_fit_evaluate_predict_equal_one_process(launches, run):
+    for rank, (got, ref) in enumerate(values(launches, run)):
+        assert len(ref["losses"]) == 2
+        np.testing.assert_allclose(
+            got["losses"], ref["losses"], rtol=LOSS_RTOL, err_msg=f"{rank}"
+        )
+        np.testing.assert_allclose(got["accuracy"], ref["accuracy"], atol=1e-6)
+        np.testing.assert_allclose(
+            got["evaluate"], ref["evaluate"], rtol=LOSS_RTOL
+        )
+        np.testing.assert_allclose(
+            got["predict"], ref["predict"], atol=VALUE_ATOL
+        )
+        assert np.shape(got["predict"]) == (8, 8, 256)
+
+
+@pytest.mark.parametrize("run", runs_with("tune"))
+def test_lora_trains_only_lora_variables(launches, run):
+    for got, ref in values(launches, run):
+        paths = got["trainable_paths"]
+        assert paths == ref["trainable_paths"]
+        assert paths and all("lora_kernel" in path for path in paths)
+        for path in paths:
+            np.testing.assert_allclose(
+                got["trainable"][path],
+                ref["trainable"][path],
+                atol=VALUE_ATOL,
+                err_msg=path,
+            )
+        assert got["frozen_moved"] == 0.0
+        assert got["lora_moved"] > 1e-3
+
+
+@pytest.mark.parametrize("run", runs_with("generate"))
+def test_greedy_generation_equals_one_process(launches, run):
+    for rank, (got, ref) in enumerate(values(launches, run)):
+        assert got["stop_token"] == ref["stop_token"]
+        for case in ("two", "one", "stopped"):
+            for name in ("token_ids", "padding_mask"):
+                key = f"generate/{case}/{name}"
+                assert got[key] == ref[key], (rank, key)
+        # The prompts keep their tokens, and generation fills the rest.
+        two = np.asarray(ref["generate/two/token_ids"])
+        assert two.shape == (2, 12) and (two[:, 5:] > 0).all()
+
+
+@pytest.mark.parametrize("run", runs_with("generate"))
+def test_stop_token_ends_generation(launches, run):
+    for got, ref in values(launches, run):
+        tokens = np.asarray(ref["generate/two/token_ids"])[0]
+        # The first prompt (3 tokens) keeps what it generated up to the
+        # first stop token, and nothing after it.
+        (stops,) = np.nonzero(tokens[3:] == got["stop_token"])
+        last = 3 + stops[0]
+        mask = np.asarray(got["generate/stopped/padding_mask"])
+        assert mask[0, : last + 1].all() and not mask[0, last + 1 :].any()
+        assert mask.tolist() == ref["generate/stopped/padding_mask"]
+
+
+@pytest.mark.parametrize("run", runs_with("save"))
+def test_saved_task_reloads_exactly(launches, run):
+    for rank, (got, ref) in enumerate(values(launches, run)):
+        for key in ("model_predict", "weights_predict", "single_predict"):
+            np.testing.assert_allclose(
+                got[f"save/{key}"],
+                got["predict"],
+                atol=VALUE_ATOL,
+                err_msg=f"{rank} {key}",
+            )
+        for key in ("model_generate", "single_generate"):
+            assert (
+                got[f"save/{key}/token_ids"] == ref["generate/two/token_ids"]
+            ), (rank, key)
+        kernel = next(iter(got["placements"]))
+        assert got["save/model_split_kernel"] == got["placements"][kernel]
+
+
+def mesh_of(run):
+    mesh = run.split(":")[1]
+    if mesh == "dp":
+        return None
+    rows, columns = mesh.split("+")[0].split("x")
+    return int(rows), int(columns)
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if "kv1" not in r])
+def test_layouts_split_the_kernel_and_replicate_lora(launches, run):
+    for got, _ in values(launches, run):
+        kernel, lora = got["placements"].values()
+        mesh = mesh_of(run)
+        if mesh is None:
+            assert kernel == ["R"] and lora == ["R"]
+            continue
+        assert lora == ["R", "R"]
+        # The model axis splits the query kernel (its heads, or for
+        # keras-hub's maps the contracting hidden dimension).
+        assert kernel[1].startswith("S("), kernel
+        if mesh[0] > 1 and "hand" not in run:
+            assert kernel[0].startswith("S("), kernel
+
+
+def test_one_key_value_head_on_two_model_processes_is_refused(launches):
+    for got, _ in values(launches, "gemma:1x2:kv1"):
+        message = got["kv1_error"]
+        assert message.startswith("ValueError")
+        for part in (
+            "decoder_block_0/attention/key/kernel",
+            "(1, 32, 8)",
+            "'model'",
+            "not divisible by 2",
+        ):
+            assert part in message, (part, message)
+
+
+def test_compiled_lora_fit_equals_eager_one_process(launches):
+    for got, ref in values(launches, "gemma:1x2:jit"):
+        assert got["jit/graphs"] > 0
+        np.testing.assert_allclose(
+            got["jit/losses"], ref["losses"], rtol=LOSS_RTOL
+        )
