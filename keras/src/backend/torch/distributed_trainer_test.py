@@ -9,6 +9,7 @@ inductor are in `integration_tests/jit_compile_test.py`.
 
 import copy
 import copyreg
+import functools
 import hashlib
 import inspect
 import pickle
@@ -42,12 +43,17 @@ def distribution():
     keras.distribution.set_distribution(None)
 
 
+class CompileCalls(list):
+    runs = 0
+
+
 @pytest.fixture
 def inductor_calls(monkeypatch):
     """Replaces inductor by `aot_eager`; records the AOT autograd cache
     setting, the post-grad custom pass and the pickle reduction of
-    `DeviceMesh` of each call."""
-    calls = []
+    `DeviceMesh` of each call, and counts the runs of the graphs it
+    compiled (`calls.runs`)."""
+    calls = CompileCalls()
     upstream_lookup = registry.lookup_backend
 
     def aot_eager(graph_module, example_inputs, inner_compile=None):
@@ -59,7 +65,14 @@ def inductor_calls(monkeypatch):
                 inner_compile,
             )
         )
-        return upstream_lookup("aot_eager")(graph_module, example_inputs)
+        compiled = upstream_lookup("aot_eager")(graph_module, example_inputs)
+
+        @functools.wraps(compiled)
+        def run(*args):
+            calls.runs += 1
+            return compiled(*args)
+
+        return run
 
     monkeypatch.setattr(
         registry,
@@ -159,13 +172,21 @@ def test_compiled_train_step_compiles_once(distribution, inductor_calls):
     model = make_model(jit_compile=True)
     x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
     y = np.arange(8) % 3
+    assert not inductor_calls
     model.train_on_batch(x, y)
+    # The first step compiled its graphs (Dynamo's graph breaks make
+    # several) with the backend standing in for inductor, and ran them.
     compiles = len(inductor_calls)
+    assert compiles > 0
+    first_runs = inductor_calls.runs
+    assert first_runs >= compiles
     for _ in range(2):
         model.train_on_batch(x, y)
     # Without clearing the gradients after each step, the second step was
-    # compiled again when it met the first step's gradients.
+    # compiled again when it met the first step's gradients. The later
+    # steps ran the first step's graphs again, compiling none.
     assert len(inductor_calls) == compiles
+    assert inductor_calls.runs == 3 * first_runs
     assert all(v.value.grad is None for v in model.trainable_variables)
     eager = make_model(jit_compile=False)
     for _ in range(3):
