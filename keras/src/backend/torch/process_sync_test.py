@@ -5,6 +5,10 @@ before on the same store (`play_call_as_rank`). Multi-process behaviour is
 tested in `integration_tests/checkpoint_test.py`.
 """
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -204,15 +208,53 @@ def test_keys_of_finished_calls_are_deleted(store, monkeypatch):
     assert not store.check([f"{key}/count/save_model"])
 
 
+# Run in a fresh interpreter: earlier tests of a suite leave a one-device
+# process group initialized, which this check must not see.
+SINGLE_PROCESS_CHECK = """
+import json
+import torch.distributed as dist
+import keras
+from keras.src.backend.torch import process_sync
+
+result = {"file": process_sync.__file__}
+result["initialized"] = dist.is_initialized()
+result["multi_process"] = process_sync.is_multi_process()
+result["process_id"] = process_sync.process_id()
+with process_sync.process_zero_writes("op") as call:
+    result["is_writer"] = call.is_writer
+    result["is_coordinated"] = call.is_coordinated
+    result["token_length"] = len(call.token)
+try:
+    with process_sync.process_zero_writes("op"):
+        raise OSError("disk full")
+except OSError as error:
+    result["raised"] = str(error)
+result["initialized_after"] = dist.is_initialized()
+print(json.dumps(result))
+"""
+
+
 def test_single_process_needs_no_coordination():
-    if dist.is_initialized():
-        pytest.skip("a process group is initialized")
-    assert not process_sync.is_multi_process()
-    assert process_sync.process_id() == 0
-    with process_sync.process_zero_writes("op") as call:
-        assert call.is_writer
-        assert not call.is_coordinated
-        assert len(call.token) == 32
-    with pytest.raises(OSError, match="disk full"):
-        with process_sync.process_zero_writes("op"):
-            raise OSError("disk full")
+    completed = subprocess.run(
+        [sys.executable, "-c", SINGLE_PROCESS_CHECK],
+        env=dict(os.environ, KERAS_BACKEND="torch"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    # The fresh interpreter ran this checkout's module, with no process
+    # group before or after: no store, nothing to coordinate.
+    assert result.pop("file") == process_sync.__file__
+    assert result == {
+        "initialized": False,
+        "multi_process": False,
+        "process_id": 0,
+        "is_writer": True,
+        "is_coordinated": False,
+        "token_length": 32,
+        "raised": "disk full",
+        "initialized_after": False,
+    }
