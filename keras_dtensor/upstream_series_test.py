@@ -10,6 +10,7 @@ import os
 import re
 
 from keras_dtensor import _edits
+from keras_dtensor import _keras_hub_edits
 from keras_dtensor import _saving_edits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +27,8 @@ EDITS_WITHOUT_PATCH = {
     "base's names (RENAMES)",
     "edit_trainer_no_ddp_without_distribution": "compatibility: an option "
     "of the mount (KERAS_DTENSOR_NO_DDP) for tests",
+    "edit_causal_lm_generates_on_global_batch": "a change to keras-hub, "
+    "not to Keras (UPSTREAMING.md, keras-hub)",
 }
 
 
@@ -39,7 +42,7 @@ def load_series_script():
 
 def edit_names():
     names = set()
-    for module in (_edits, _saving_edits):
+    for module in (_edits, _saving_edits, _keras_hub_edits):
         names.update(n for n in vars(module) if n.startswith("edit_"))
     return names
 

@@ -76,7 +76,12 @@ MODULE_PATCHES = (
     (
         "0005-torch-created-tensors.patch",
         "torch: tensors created in a distributed step are replicated",
-        [T + "created_tensors.py"],
+        [
+            T + "created_tensors.py",
+            T + "extreme_reductions.py",
+            T + "in_place_writes.py",
+            T + "python_values.py",
+        ],
     ),
     (
         "0006-torch-batches-and-collectives.patch",

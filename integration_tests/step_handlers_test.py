@@ -1,0 +1,88 @@
+"""The step mode's handlers on tensors split over 2 processes equal plain
+torch on the full tensors.
+
+`workers/step_handlers_worker.py` runs, on 2 gloo processes inside a
+step's torch function mode: in-place writes into DTensors laid out
+otherwise than what is written (`copy_` of a column-split source into a
+replicated target, a slice assignment of a row-split value, `index_put_`
+into a row-split target, with and without `accumulate`, negative indices
+included); `argmax` along a split last dimension given as `-1`, `min`
+over a split dimension, `amax`; and Python values (`int`, `item`,
+`bool`, `tolist`) of split and partial DTensors. Each result must equal
+the same op on the full tensors in plain torch, on every rank, and keep
+the layout the handler promises.
+"""
+
+import harness
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return harness.launch(
+        "step_handlers_worker.py",
+        2,
+        tmp_path_factory.mktemp("step_handlers"),
+        timeout=240,
+    )
+
+
+def full_values():
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "logits": torch.randn(4, 3, 10, generator=generator),
+        "rows": torch.arange(32, dtype=torch.float32).reshape(4, 8),
+        "lengths": torch.tensor([5, 3, 7, 6]),
+    }
+
+
+def expected_writes():
+    rows = full_values()["rows"]
+    copied = rows.clone()
+    set_item = torch.zeros(4, 8)
+    set_item[:, 2:4] = rows[:, :2]
+    index = (torch.arange(4), torch.tensor([5, 1, -1, 0]))
+    values = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    put = rows.clone()
+    put.index_put_(index, values)
+    accumulated = put.clone()
+    accumulated.index_put_(index, values, accumulate=True)
+    return {
+        "copy": (copied, ["R"]),
+        "set_item": (set_item, ["R"]),
+        "index_put": (put, ["S(0)"]),
+        "index_put_accumulate": (accumulated, ["S(0)"]),
+    }
+
+
+def test_in_place_writes_keep_the_targets_layout(reports):
+    for rank, report in enumerate(reports):
+        for key, (expected, placements) in expected_writes().items():
+            assert report[f"{key}/placements"] == placements, (rank, key)
+            assert report[f"{key}/values"] == expected.tolist(), (rank, key)
+        # The row-split target was written where it lies, never gathered.
+        assert report["index_put/local_rows"] == 2
+
+
+def test_extreme_reductions_equal_plain_torch(reports):
+    full = full_values()
+    expected = {
+        "argmax": torch.argmax(full["logits"], dim=-1),
+        "min": torch.min(full["lengths"]),
+        "amax": torch.amax(full["logits"], dim=-1),
+    }
+    for report in reports:
+        for key, value in expected.items():
+            assert report[f"{key}/values"] == value.tolist(), key
+        # A minimum over the split dimension is whole as it is made.
+        assert report["min/placements"] == ["R"]
+
+
+def test_python_values_are_the_whole_values(reports):
+    lengths = full_values()["lengths"]
+    for report in reports:
+        assert report["int_of_min"] == int(lengths.min())
+        assert report["item_of_sum"] == lengths.sum().item()
+        assert report["bool_of_any"] is bool((lengths > 6).any())
+        assert report["tolist"] == lengths.tolist()
