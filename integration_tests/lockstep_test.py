@@ -19,8 +19,11 @@ fails a collective that another rank pairs with a different one):
   gradient hooks on the thread that called backward).
 - `async_logs`: `evaluate` and `predict` (130 rows, a short last batch)
   with rank 1 slow, by random delays, in converting batch-end logs (which
-  gathers the predictions): under a distribution these callbacks run on
-  the main thread, and `predict` returns `predict_on_batch`'s rows.
+  gathers the predictions): under a distribution an `async_safe`
+  callback's batch ends run on the main thread (without one, upstream
+  runs them on a worker thread), and the loss, the predictions and the
+  outputs the batch ends logged are those of the same weights run
+  without a distribution.
 - `raised`: the first backward pass of a `fit` raises (on every rank),
   after some gradients were sent in their buckets; the caller catches the
   error and calls `fit` again, which must train as the same model does
@@ -106,16 +109,47 @@ def test_buckets_are_sent_in_one_order_from_the_main_thread(ordered):
 
 
 def test_batch_end_logs_are_gathered_on_the_main_thread(ordered):
+    # 33 batches of 4 rows, the last one short, in `evaluate` and
+    # `predict`.
+    batches = {"test": [True] * 33, "predict": [True] * 33}
     for report in ordered:
-        # Batches of 4 against one batch of 130: the matmuls sum in
-        # another order (the project's float tolerances).
+        single = report["async_logs/single"]
+        distributed = report["async_logs/distributed"]
+        # Without a distribution upstream runs the `async_safe` callback on
+        # a worker thread (so the check below can fail); under one, every
+        # batch end ran on the main thread.
+        for kind, on_main in single["on_main_thread"].items():
+            assert len(on_main) == 33 and not any(on_main), kind
+        assert distributed["on_main_thread"] == batches
+        # Against one process without a distribution: batches of 4 split
+        # over 2 processes sum in another order (the project's float
+        # tolerances).
         np.testing.assert_allclose(
-            report["async_logs/predictions"],
-            report["async_logs/expected"],
+            distributed["loss"], single["loss"], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            distributed["predictions"],
+            single["predictions"],
             rtol=1e-5,
             atol=1e-6,
         )
-        assert report["async_logs/loss"] == ordered[0]["async_logs/loss"]
+        # The outputs the batch ends logged are gathered: every batch's
+        # full rows, on every rank.
+        logged = [
+            np.asarray(batch, dtype="float32")
+            for batch in distributed["logged_outputs"]
+        ]
+        assert [len(batch) for batch in logged] == [4] * 32 + [2]
+        np.testing.assert_allclose(
+            np.concatenate(logged),
+            single["predictions"],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert (
+        ordered[0]["async_logs/distributed"]["loss"]
+        == ordered[1]["async_logs/distributed"]["loss"]
+    )
 
 
 def test_a_step_that_raised_leaves_no_buckets_behind(ordered):

@@ -22,8 +22,11 @@ under `<SCENARIO>/`.
   sent from the main thread.
 - `async_logs`: `evaluate` and `predict` (130 rows, a short last batch)
   with batch-end logs converted after random delays on rank 1 (converting
-  gathers the predictions). Reports the loss and the predictions, and
-  `predict_on_batch` of the same rows.
+  gathers the predictions) and an `async_safe` callback noting the
+  thread of each batch end and the outputs `predict` logs. Reports the
+  loss, the predictions, the threads and the logged outputs under
+  `distributed/`, and the same for a model with the same weights built
+  and run without a distribution under `single/`.
 
 Before the faulty part, each rank writes the time to `rank<r>.start` in
 the result folder, so that the test can measure how long the others took
@@ -237,12 +240,54 @@ def raised():
     worker_utils.record("retried", train(failing=True))
 
 
+class BatchEndLogs(keras.callbacks.Callback):
+    """Notes, at each batch end of `evaluate` and `predict`, whether it
+    runs on the main thread, and keeps the outputs `predict` logs.
+
+    It declares itself `async_safe`, so upstream Keras dispatches it (and
+    the conversion of its logs) to a worker thread when it is the only
+    callback."""
+
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.on_main_thread = {"test": [], "predict": []}
+        self.outputs = []
+
+    def note(self, kind):
+        main = threading.current_thread() is threading.main_thread()
+        self.on_main_thread[kind].append(main)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.note("test")
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.note("predict")
+        self.outputs.append(np.asarray(logs["outputs"]).tolist())
+
+
+def evaluate_and_predict(model, x, y):
+    """`evaluate` and `predict` in batches of 4 with a `BatchEndLogs`;
+    returns their results and what it noted."""
+    logs = BatchEndLogs()
+    loss = model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[logs])
+    predictions = model.predict(x, batch_size=4, verbose=0, callbacks=[logs])
+    return {
+        "loss": loss,
+        "predictions": predictions.tolist(),
+        "on_main_thread": logs.on_main_thread,
+        "logged_outputs": logs.outputs,
+    }
+
+
 def async_logs():
     from keras.src.utils import python_utils
 
     keras.distribution.initialize()
     keras.distribution.set_distribution(data_parallel())
     model = build_model()
+    weights = model.get_weights()
     pythonify_logs = python_utils.pythonify_logs
 
     delays = np.random.default_rng(worker_utils.rank()).uniform(0, 0.03, 99)
@@ -258,11 +303,14 @@ def async_logs():
     # 130 rows: the last batch of 4 is short.
     x = np.concatenate([np.tile(x, (4, 1)), x[:2]])
     y = np.concatenate([np.tile(y, (4, 1)), y[:2]])
-    worker_utils.record("loss", model.evaluate(x, y, batch_size=4, verbose=0))
-    worker_utils.record(
-        "predictions", model.predict(x, batch_size=4, verbose=0)
-    )
-    worker_utils.record("expected", model.predict_on_batch(x))
+    worker_utils.record("distributed", evaluate_and_predict(model, x, y))
+    python_utils.pythonify_logs = pythonify_logs
+    # The reference: the same weights in a model built without a
+    # distribution, run by this process alone.
+    keras.distribution.set_distribution(None)
+    single = build_model()
+    single.set_weights(weights)
+    worker_utils.record("single", evaluate_and_predict(single, x, y))
 
 
 @record
