@@ -9,6 +9,7 @@ checked by `benchmark_smoke_test.py` and the torch matrix
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -47,8 +48,35 @@ def head_sharded(value, mesh, placements):
     return distribute_tensor(tensor, mesh, placements)
 
 
+# Torch 2.12 and later express merging a sharded dimension into the one
+# before it as a `_StridedShard`; earlier releases refuse it.
+TORCH_FLATTENS_SHARDED_DIMENSIONS = tuple(
+    int(part) for part in torch.__version__.split(".")[:2]
+) >= (2, 12)
+
+
+def clear_sharding_caches():
+    """Forgets the placements DTensor propagated (Python and C++ caches),
+    so that a changed rule is asked again."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(
+        torch._C, "_clear_DTensor_sharding_propagator_cache", None
+    )
+    if clear_native is not None:
+        clear_native()
+
+
 class HeadShardedMatmulTest(testing.TestCase):
-    """`q @ k^T` with heads (dim 1) sharded, as attention computes it."""
+    """`q @ k^T` with heads (dim 1) sharded, as attention computes it:
+    the values of the scores and gradients, and their placements.
+
+    Where torch's `view` rule merges the sharded heads into the batch
+    dimension (torch >= 2.12), the heads stay split in the scores and the
+    gradients. Where it refuses (torch < 2.12, stood in for here by a rule
+    refusing as torch 2.11 does), `view_with_reshape_fallback` takes
+    `reshape`'s rule, which gathers the heads: they come out replicated,
+    the batch split kept."""
 
     def setUp(self):
         super().setUp()
@@ -57,7 +85,7 @@ class HeadShardedMatmulTest(testing.TestCase):
         self.q = rng.standard_normal((2, 4, 8, 16)).astype("float32")
         self.k = rng.standard_normal((2, 4, 16, 8)).astype("float32")
 
-    def check_matmul(self, mesh, placements, matmul):
+    def check_matmul(self, mesh, placements, matmul, expected_placements):
         q = head_sharded(self.q, mesh, placements)
         k = head_sharded(self.k, mesh, placements)
         scores = matmul(q, k)
@@ -71,16 +99,93 @@ class HeadShardedMatmulTest(testing.TestCase):
         )
         self.assertAllClose(q.grad.full_tensor(), plain_q.grad, atol=1e-3)
         self.assertAllClose(k.grad.full_tensor(), plain_k.grad, atol=1e-3)
+        expected_placements = tuple(expected_placements)
+        self.assertEqual(scores.placements, expected_placements)
+        self.assertEqual(q.grad.placements, expected_placements)
+        self.assertEqual(k.grad.placements, expected_placements)
 
-    def test_torch_matmul_on_model_mesh(self):
+    def model_mesh(self):
         mesh = distribution_api.DeviceMesh((1,), ("model",), ["cpu:0"])
-        self.check_matmul(mesh.backend_mesh, [Shard(1)], torch.matmul)
+        return mesh.backend_mesh
 
-    def test_keras_matmul_on_batch_model_mesh(self):
+    def batch_model_mesh(self):
         mesh = distribution_api.DeviceMesh(
             (1, 1), ("batch", "model"), ["cpu:0"]
         )
-        self.check_matmul(mesh.backend_mesh, [Shard(0), Shard(1)], ops.matmul)
+        return mesh.backend_mesh
+
+    @pytest.mark.skipif(
+        not TORCH_FLATTENS_SHARDED_DIMENSIONS,
+        reason="torch < 2.12 refuses to merge a sharded dimension",
+    )
+    def test_torch_matmul_on_model_mesh_keeps_heads_split(self):
+        clear_sharding_caches()
+        self.check_matmul(
+            self.model_mesh(), [Shard(1)], torch.matmul, [Shard(1)]
+        )
+
+    @pytest.mark.skipif(
+        not TORCH_FLATTENS_SHARDED_DIMENSIONS,
+        reason="torch < 2.12 refuses to merge a sharded dimension",
+    )
+    def test_keras_matmul_on_batch_model_mesh_keeps_heads_split(self):
+        clear_sharding_caches()
+        self.check_matmul(
+            self.batch_model_mesh(),
+            [Shard(0), Shard(1)],
+            ops.matmul,
+            [Shard(0), Shard(1)],
+        )
+
+    def refusing_to_merge_a_sharded_dimension(self):
+        """The view rules refuse, as torch 2.11's, wherever the installed
+        ones would merge a sharded dimension into a `_StridedShard`."""
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        reshape_rule = propagator.op_strategy_funcs[
+            torch.ops.aten.reshape.default
+        ]
+
+        def refusing(view_rule):
+            def rule(op_schema):
+                strategy = view_rule(op_schema)
+                for spec in strategy.strategies:
+                    if any(
+                        isinstance(p, _StridedShard)
+                        for p in spec.output_spec.placements
+                    ):
+                        raise RuntimeError(
+                            "Attempted to flatten multiple dimensions, with "
+                            "dimension 1 being sharded."
+                        )
+                return strategy
+
+            return rule
+
+        rules = {
+            op: sharding_rules.view_with_reshape_fallback(
+                refusing(propagator.op_strategy_funcs[op]), reshape_rule
+            )
+            for op in sharding_rules._VIEW_OPS
+        }
+        self.addCleanup(clear_sharding_caches)
+        patch = mock.patch.dict(propagator.op_strategy_funcs, rules)
+        clear_sharding_caches()
+        return patch
+
+    def test_refused_merge_gathers_heads_on_model_mesh(self):
+        with self.refusing_to_merge_a_sharded_dimension():
+            self.check_matmul(
+                self.model_mesh(), [Shard(1)], torch.matmul, [Replicate()]
+            )
+
+    def test_refused_merge_gathers_heads_on_batch_model_mesh(self):
+        with self.refusing_to_merge_a_sharded_dimension():
+            self.check_matmul(
+                self.batch_model_mesh(),
+                [Shard(0), Shard(1)],
+                ops.matmul,
+                [Shard(0), Replicate()],
+            )
 
 
 class ViewFallbackTest(testing.TestCase):
