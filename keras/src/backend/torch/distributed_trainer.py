@@ -826,13 +826,29 @@ def _zero_like_dtensor(metadata):
 
 
 class _TieDifferentiableOutputs(torch.autograd.Function):
-    """Identity on DTensors; a missing gradient becomes a zero DTensor."""
+    """Identity on DTensors; a missing gradient becomes a zero DTensor.
+
+    Each output is a new DTensor over the same local tensor, not a view:
+    autograd forbids writing in place into one of several views a
+    function returns, and the eager code after a graph break may do so
+    (keras-hub's Gemma scales its queries with `q *= ...`).
+    """
 
     @staticmethod
     def forward(ctx, *outputs):
         ctx.set_materialize_grads(False)
         ctx.output_metadata = [_dtensor_metadata(o) for o in outputs]
-        return tuple(output.view_as(output) for output in outputs)
+        return tuple(
+            DTensor.from_local(
+                output.to_local(),
+                output.device_mesh,
+                output.placements,
+                run_check=False,
+                shape=output.shape,
+                stride=output.stride(),
+            )
+            for output in outputs
+        )
 
     @staticmethod
     def backward(ctx, *grads):
