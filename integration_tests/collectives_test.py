@@ -53,7 +53,9 @@ The losses equal a single-process run's.
 Two more runs check the local paths of a DataParallel step against
 DTensor's own: `reduce`, a loss reduction over split values computed on
 each process's values (the bits, placements, collectives and gradients
-of upstream's reduction on DTensors), and `rows`, a global batch cut
+of upstream's reduction on DTensors; values and gradients also against
+numpy's reduction of the full arrays, as `wholeloss`'s cross-entropy),
+and `rows`, a global batch cut
 into this process's rows by a plan made once per shape (the DTensor of
 `distribute_tensor`).
 """
@@ -94,6 +96,63 @@ ALL_GATHER = "c10d_functional.all_gather_into_tensor"
 REDUCE_SCATTER = "c10d_functional.reduce_scatter_tensor"
 # The variables that `fully_sharded_layouts` shards in the `fsdp` runs.
 FSDP_SHARDED = ("d1/kernel", "d2/kernel")
+
+
+def float32s(bits):
+    """The float32 values whose bytes a worker reported in hex."""
+    return np.frombuffer(bytes.fromhex(bits), dtype=np.float32)
+
+
+def plain_reduction(inputs, case):
+    """`reduce_weighted_values` of the worker's full arrays, by numpy in
+    float64: the value, and the gradient of the value with respect to the
+    per-sample values."""
+    reduction, weighted = case.split(":")
+    values = np.asarray(inputs["values"], dtype=np.float64)
+    weights = np.ones((len(values), 1))
+    if weighted == "1":
+        weights = np.asarray(inputs["weights"], dtype=np.float64)
+    value = (values * weights).sum()
+    grad = np.broadcast_to(weights, values.shape)
+    if reduction == "sum_over_batch_size":
+        value, grad = value / values.size, grad / values.size
+    return value, grad
+
+
+def plain_cross_entropy(inputs, case):
+    """`SparseCategoricalCrossentropy(from_logits=True)` of the worker's
+    full arrays, by numpy in float64: the value, and its gradient with
+    respect to the logits."""
+    reduction, weighted = case.split(":")
+    logits = np.asarray(inputs["logits"], dtype=np.float64)
+    labels = np.asarray(inputs["labels"])
+    weights = np.ones(len(logits))
+    if weighted == "1":
+        weights = np.asarray(inputs["weights"], dtype=np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    rows = np.arange(len(labels))
+    value = -(weights * log_softmax[rows, labels]).sum()
+    grad = np.exp(log_softmax)
+    grad[rows, labels] -= 1
+    grad *= weights[:, None]
+    if reduction == "sum_over_batch_size":
+        value, grad = value / len(labels), grad / len(labels)
+    return value, grad
+
+
+def assert_plain(result, value, grad):
+    """A reported value and gradient (float32 bits) against a plain
+    float64 computation (float32 summation order: 1e-5)."""
+    np.testing.assert_allclose(
+        float32s(result["value"]), [value], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        float32s(result["grad"]).reshape(grad.shape),
+        grad,
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +204,15 @@ def test_loss_reduction_on_local_tensors_equals_dtensors(reports, case):
     values' gradient have the bits of upstream's reduction on DTensors (2
     processes: the mean's division by the shard count is exact), with its
     placements and collectives: a mean is all-reduced once into a
-    replicated value, a sum stays a partial sum."""
+    replicated value, a sum stays a partial sum. Both are the reduction
+    of the full arrays computed by numpy."""
     mean = case.startswith("sum_over_batch_size")
     for report in reports:
         local = report[f"reduce/{case}/local"]
         upstream = report[f"reduce/{case}/dtensor"]
+        value, grad = plain_reduction(report["reduce/inputs"], case)
+        assert_plain(local, value, grad)
+        assert_plain(upstream, value, grad)
         assert local["local"] and not upstream["local"]
         assert local["value"] == upstream["value"]
         assert local["grad"] == upstream["grad"]
@@ -205,11 +268,16 @@ def test_built_in_loss_runs_whole_on_local_tensors(reports, case):
     tensors of its arguments (`batch_reductions.call_loss`): `call_layer`
     is not reached, nor is any DTensor reduced. Every call gives the
     value, gradient, placements and collectives of the loss computed on
-    DTensors, bit for bit."""
+    DTensors, bit for bit; the value and gradient are those of the
+    cross-entropy of the full arrays computed by numpy."""
     mean = case.startswith("sum_over_batch_size")
     for report in reports:
         calls = report[f"wholeloss/{case}/calls"]
         reference = report[f"wholeloss/{case}/dtensor"]
+        value, grad = plain_cross_entropy(report["wholeloss/inputs"], case)
+        assert_plain(reference, value, grad)
+        for call in calls:
+            assert_plain(call, value, grad)
         assert [c["per_sample_call"] for c in calls] == [True, True, False]
         assert [c["dtensor_values_reduced"] for c in calls] == [
             True,

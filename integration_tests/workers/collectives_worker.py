@@ -285,6 +285,11 @@ def reductions():
             "pending": pending,
         }
 
+    # The full arrays, for a plain reduction by the test.
+    record(
+        "reduce/inputs",
+        {"values": values.tolist(), "weights": weights.tolist()},
+    )
     for reduction in ("sum_over_batch_size", "sum"):
         for weighted in (False, True):
             case = f"reduce/{reduction}:{int(weighted)}"
@@ -356,6 +361,15 @@ def whole_losses():
             ),
         }
 
+    # The full arrays, for a plain cross-entropy by the test.
+    record(
+        "wholeloss/inputs",
+        {
+            "logits": logits.tolist(),
+            "labels": labels.tolist(),
+            "weights": weights.tolist(),
+        },
+    )
     for reduction in ("sum_over_batch_size", "sum"):
         for weighted in (False, True):
             case = f"wholeloss/{reduction}:{int(weighted)}"
