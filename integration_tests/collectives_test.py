@@ -94,8 +94,24 @@ BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
 REDUCE_SCATTER = "c10d_functional.reduce_scatter_tensor"
+VARIABLE = ("kernel", "bias")
 # The variables that `fully_sharded_layouts` shards in the `fsdp` runs.
 FSDP_SHARDED = ("d1/kernel", "d2/kernel")
+# Every variable of the `fsdp` runs' MLP, and of the `fsdpblocks` and
+# `fsdpremat` runs' two blocks and head.
+FSDP_VARIABLES = {
+    f"{layer}/{kind}" for layer in ("d1", "d2", "head") for kind in VARIABLE
+}
+BLOCK_VARIABLES = {
+    f"{block}/{dense}/{kind}"
+    for block in ("block1", "block2")
+    for dense in ("first", "second")
+    for kind in VARIABLE
+} | {f"head/{kind}" for kind in VARIABLE}
+# What a step's worker notes (`step_events`): the gradient buckets' end of
+# backward, and the all-reduce of a loss computed on local tensors.
+GRADIENTS_REDUCED = "gradients reduced"
+LOSS_ALL_REDUCED = "loss all-reduced"
 
 
 def float32s(bits):
@@ -196,6 +212,9 @@ def test_tensor_parallel_block_needs_one_all_reduce_each_way(
         run = f"tp:{optimizer}"
         assert report[f"{run}/forward_counts"] == {DTENSOR_ALL_REDUCE: 1}
         assert counts(report, run) == {DTENSOR_ALL_REDUCE: 2}
+        # No gradient bucket is finished, no local loss all-reduced: the
+        # block's all-reduces are DTensor's own.
+        assert report[f"{run}/events"] == []
 
 
 @pytest.mark.parametrize("case", LOSS_CASES)
@@ -332,6 +351,8 @@ def test_fully_sharded_step_gathers_its_joined_unit_once(reports, optimizer):
             REDUCE_SCATTER: 1,
             BUCKETED: 1,
         }
+        # The bucket is finished at the end of backward, the loss in it.
+        assert report[f"{run}/events"] == [GRADIENTS_REDUCED]
 
 
 def test_unjoined_units_gather_each_sharded_kernel_once(reports):
@@ -349,6 +370,7 @@ def test_unjoined_units_gather_each_sharded_kernel_once(reports):
             REDUCE_SCATTER: sharded,
             BUCKETED: 1,
         }
+        assert report[f"{run}/events"] == [GRADIENTS_REDUCED]
 
 
 @pytest.mark.parametrize("run", ["fsdp:sgd", "fsdp:adamw", "fsdp:sgd::0"])
@@ -366,6 +388,7 @@ def test_fully_sharded_weights_equal_single_process(reports, run):
     for report in reports:
         reference = report[f"{run}/reference_weights"]
         assert set(report[f"{run}/weights"]) == set(reference)
+        assert set(reference) == FSDP_VARIABLES
         for path, value in report[f"{run}/weights"].items():
             np.testing.assert_allclose(
                 value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
@@ -387,12 +410,16 @@ def test_fully_sharded_blocks_gather_each_unit_once(reports, run, units):
             REDUCE_SCATTER: units,
             BUCKETED: 1,
         }
+        # The replicated biases and head share the bucket, the loss in it.
+        assert report[f"{run}/events"] == [GRADIENTS_REDUCED]
         layouts = report[f"{run}/layouts"]
         for block in ("block1", "block2"):
             for dense in ("first", "second"):
                 placements, _ = layouts[f"{block}/{dense}/kernel"]
                 assert placements != ["R"], (block, dense)
         reference = report[f"{run}/reference_weights"]
+        assert set(report[f"{run}/weights"]) == set(reference)
+        assert set(reference) == BLOCK_VARIABLES
         for path, value in report[f"{run}/weights"].items():
             np.testing.assert_allclose(
                 value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
@@ -410,12 +437,20 @@ def test_flat_model_blocks_are_found_from_its_graph(reports, optimizer):
             REDUCE_SCATTER: 3,
             DTENSOR_ALL_REDUCE: 1,
         }
+        # Every variable sharded: no gradient bucket, so the loss computed
+        # on local tensors is all-reduced by itself.
+        assert report[f"{run}/events"] == [LOSS_ALL_REDUCED]
         layouts = report[f"{run}/layouts"]
         assert layouts["b0_up/kernel"] == [["S(1)"], [32, 32]]
         assert layouts["b1_down/bias"] == [["S(0)"], [16]]
         assert layouts["head/kernel"] == [["S(0)"], [16, 4]]
         reference = report[f"{run}/reference_weights"]
         assert set(report[f"{run}/weights"]) == set(reference)
+        assert set(reference) == {
+            f"{layer}/{kind}"
+            for layer in ("pre", "b0_up", "b0_down", "b1_up", "b1_down", "head")
+            for kind in VARIABLE
+        }
         for path, value in report[f"{run}/weights"].items():
             np.testing.assert_allclose(
                 value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path
