@@ -447,6 +447,14 @@ def test_exactness_table(launches):
 def test_every_rank_logs_the_same_python_floats(case):
     reports, ref = case
     first = reports[0]
+    for report in reports:
+        # As logged (the worker's `float` comes after): the batch-end
+        # losses, the history and `evaluate`'s results.
+        assert report["logged_types"] == {
+            "batch": ["float"],
+            "history": ["float"],
+            "evaluate": ["float"],
+        }
     for report in reports[1:]:
         assert report["batch_losses"] == first["batch_losses"]
         assert report["history"] == first["history"]

@@ -411,6 +411,13 @@ def train(run):
         "history",
         {k: [float(v) for v in vs] for k, vs in history.history.items()},
     )
+    # The types of the values as logged, before the `float` above.
+    logged_types = {
+        "batch": sorted(set(losses.types)),
+        "history": sorted(
+            {type(v).__name__ for vs in history.history.values() for v in vs}
+        ),
+    }
     run.record("final_weights", [w.tolist() for w in model.get_weights()])
     run.record("weight_paths", [w.path for w in model.weights])
     run.record("iterations", int(model.optimizer.iterations.numpy()))
@@ -422,6 +429,10 @@ def train(run):
         verbose=0,
         return_dict=True,
     )
+    logged_types["evaluate"] = sorted(
+        {type(v).__name__ for v in evaluation.values()}
+    )
+    run.record("logged_types", logged_types)
     run.record("evaluate", {k: float(v) for k, v in evaluation.items()})
     run.record(
         "predict",

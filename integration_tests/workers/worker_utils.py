@@ -38,13 +38,16 @@ def record_error(key, fn):
 
 
 class BatchLosses(keras.callbacks.Callback):
-    """Keeps the loss that `fit` logs after every batch, as a float."""
+    """Keeps the loss that `fit` logs after every batch, as a float, and
+    the name of the type it was logged as (`types`)."""
 
     def __init__(self):
         super().__init__()
         self.losses = []
+        self.types = []
 
     def on_train_batch_end(self, batch, logs=None):
+        self.types.append(type(logs["loss"]).__name__)
         self.losses.append(float(logs["loss"]))
 
 
