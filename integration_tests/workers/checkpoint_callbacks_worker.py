@@ -6,10 +6,13 @@ For each distribution (comma-separated names, see `checkpoint_models`):
 1. `fit` for 4 epochs with `ModelCheckpoint` saving weights every epoch
    and `ModelCheckpoint` saving the whole model when the loss improves;
    the state at each epoch end is recorded, and every file is loaded back.
-   This run is also the uninterrupted reference for step 2.
+   Its losses are reported as `checkpointed_losses`.
 2. `fit` for 4 epochs with `BackupAndRestore(double_checkpoint=True)`,
-   interrupted by an exception at the start of epoch 2; then `fit` again,
-   which resumes at epoch 2.
+   interrupted by an exception at the start of epoch 2 (its type and
+   message reported as `interrupted`); then `fit` again, which resumes at
+   epoch 2. The same model is also trained for 4 epochs without any
+   callback, the uninterrupted reference (`uninterrupted_losses` and
+   `uninterrupted_state`).
 """
 
 import os
@@ -23,6 +26,7 @@ import keras
 
 EPOCHS = 4
 INTERRUPT_AT_EPOCH = 2
+INTERRUPTION = "Interrupting training"
 
 
 class EpochStates(keras.callbacks.Callback):
@@ -39,7 +43,7 @@ class EpochStates(keras.callbacks.Callback):
 class Interrupt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == INTERRUPT_AT_EPOCH:
-            raise RuntimeError("Interrupting training")
+            raise RuntimeError(INTERRUPTION)
 
 
 def check_model_checkpoint(name, directory):
@@ -62,7 +66,7 @@ def check_model_checkpoint(name, directory):
             states,
         ],
     )
-    record(f"{name}/uninterrupted_losses", losses)
+    record(f"{name}/checkpointed_losses", losses)
     record(f"{name}/epoch_states", states.states)
     record(f"{name}/epoch_losses", states.losses)
     loaded = []
@@ -90,9 +94,9 @@ def check_backup_and_restore(name, directory):
     model = cm.build_model()
     try:
         cm.fit(model, epochs=EPOCHS, callbacks=[backup(), Interrupt()])
-        record(f"{name}/interrupted", False)
-    except RuntimeError:
-        record(f"{name}/interrupted", True)
+        record(f"{name}/interrupted", None)
+    except RuntimeError as error:
+        record(f"{name}/interrupted", f"{type(error).__name__}: {error}")
     record(f"{name}/backup_listing", sorted(os.listdir(backup_dir)))
 
     resumed = cm.build_model()
