@@ -234,9 +234,17 @@ def test_process_zero_alone_writes_then_renames(keras_run, work, name):
         assert file_name == final
         assert os.path.dirname(staging) == directory
         assert os.path.basename(staging).startswith(f".{final}.staging-")
-    # The other process writes outside the destination folder.
-    for path in other[f"{name}/written"]:
+    # The other process writes the same two files, each into a temporary
+    # folder of its own outside the destination folder, deleted after.
+    assert len(other[f"{name}/written"]) == 2
+    for path, final in zip(
+        other[f"{name}/written"], ["model.keras", "model.weights.h5"]
+    ):
+        scratch, file_name = os.path.split(path)
+        assert file_name == final
         assert not path.startswith(str(work))
+        assert os.path.basename(scratch).startswith("keras_discarded_save_")
+        assert not os.path.exists(scratch)
     for report in keras_run:
         assert report[f"{name}/listing"] == ["model.keras", "model.weights.h5"]
         # No prompt under several processes: every process raises.
