@@ -491,10 +491,20 @@ def test_evaluate_and_predict_match_single_device(case):
         )
 
 
-def test_custom_training_loop_matches_single_device(case):
+def test_custom_training_loop_matches_single_device(case, request):
     """A training loop written by hand, whose loss and metric get the
-    targets as arrays, trains as one process does."""
+    targets as arrays, trains as one process does, on an uneven global
+    batch of 5 rows at each of its two steps: passed whole by every
+    process or, with `auto_shard_dataset=False` (`local`, 2 processes),
+    in parts of 3 and 2 rows."""
     reports, ref = case
+    _, spec = request.node.callspec.params["case"]
+    assert ref["custom_loop_rows"] == [5, 5]
+    if "local" in spec:
+        expected_rows = [[3, 3], [2, 2]]
+    else:
+        expected_rows = [[5, 5]] * len(reports)
+    assert [report["custom_loop_rows"] for report in reports] == expected_rows
     for report in reports:
         np.testing.assert_allclose(
             report["custom_loop_losses"],
@@ -504,9 +514,9 @@ def test_custom_training_loop_matches_single_device(case):
         assert report["custom_loop_accuracy"] == pytest.approx(
             ref["custom_loop_accuracy"], abs=1e-7
         )
-        for update, expected in zip(
-            report["custom_loop_updates"], ref["custom_loop_updates"]
-        ):
+        updates = report["custom_loop_updates"]
+        assert len(updates) == len(ref["custom_loop_updates"]) > 0
+        for update, expected in zip(updates, ref["custom_loop_updates"]):
             np.testing.assert_allclose(update, expected, atol=1e-6)
 
 

@@ -452,37 +452,67 @@ def train(run):
     custom_training_loop(run, model, x_local, y_local)
 
 
+def custom_loop_rows(run, step):
+    """The rows of the arrays this process holds that it passes at `step`
+    of `custom_training_loop`.
+
+    Each step's global batch is an uneven 5 rows. Without `local`, every
+    process passes them whole: the first 5 rows of global batch `step`.
+    With `local`, each process passes its part of them, parts of different
+    sizes split as `np.array_split` splits (3 and 2 rows on 2 processes):
+    the first rows of its part of global batch `step`; and its reference,
+    one process, passes the same rows together.
+    """
+    rows = BATCH_SIZE - 3
+    if "local" not in run.extra:
+        return np.arange(rows) + step * BATCH_SIZE
+    processes = int(os.environ["WORLD_SIZE"])
+    local_size = BATCH_SIZE // processes
+    sizes = [len(part) for part in np.array_split(np.arange(rows), processes)]
+    if passes_local_batches(run):
+        rank = worker_utils.rank()
+        return np.arange(sizes[rank]) + step * local_size
+    return np.concatenate(
+        [
+            np.arange(size) + step * BATCH_SIZE + process * local_size
+            for process, size in enumerate(sizes)
+        ]
+    )
+
+
 def custom_training_loop(run, model, x, y):
     """Two steps of a training loop written by hand, as Keras's guide for
     PyTorch writes one.
 
     The loss and a metric are called directly on the model's output and
     the targets as this process holds them: the global batch, here of an
-    uneven 5 rows (or, with `local`, this process's part of a whole one).
-    Records each step's loss, the metric's result and what the two steps
-    changed in the weights.
+    uneven 5 rows (or, with `local`, this process's part of them, see
+    `custom_loop_rows`). Records each step's loss, the metric's result,
+    what the two steps changed in the weights, and the number of rows
+    this process passed at each step.
     """
     import torch
 
-    # `local` passes whole global batches: its reference too.
-    rows = batch_size(run) if "local" in run.extra else BATCH_SIZE - 3
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     accuracy = keras.metrics.SparseCategoricalAccuracy()
     optimizer = keras.optimizers.SGD(0.05)
     before = model.get_weights()
     losses = []
+    passed_rows = []
     for step in range(2):
-        start = step * batch_size(run)
-        logits = model(x[start : start + rows], training=True)
-        loss = loss_fn(y[start : start + rows], logits)
+        rows = custom_loop_rows(run, step)
+        passed_rows.append(len(rows))
+        logits = model(x[rows], training=True)
+        loss = loss_fn(y[rows], logits)
         model.zero_grad()
         loss.backward()
         weights = model.trainable_weights
         with torch.no_grad():
             optimizer.apply([w.value.grad for w in weights], weights)
-        accuracy.update_state(y[start : start + rows], logits)
+        accuracy.update_state(y[rows], logits)
         losses.append(float(keras.ops.convert_to_numpy(loss)))
     run.record("custom_loop_losses", losses)
+    run.record("custom_loop_rows", passed_rows)
     run.record(
         "custom_loop_accuracy",
         float(keras.ops.convert_to_numpy(accuracy.result())),
