@@ -52,12 +52,24 @@ def launches(tmp_path_factory):
     return reports_of
 
 
-@pytest.fixture(params=MESHES, ids=lambda p: f"mesh{p[1]}")
-def run(request, launches):
-    nprocs, mesh = request.param
+def run_on(mesh_param, launches):
+    nprocs, mesh = mesh_param
     reports = [harness.run_values(r, mesh) for r in launches(nprocs)]
     shape = tuple(int(s) for s in mesh.split(","))
     return nprocs, shape, reports
+
+
+@pytest.fixture(params=MESHES, ids=lambda p: f"mesh{p[1]}")
+def run(request, launches):
+    return run_on(request.param, launches)
+
+
+@pytest.fixture(
+    params=[p for p in MESHES if "," in p[1]], ids=lambda p: f"mesh{p[1]}"
+)
+def run_2d(request, launches):
+    """`run` on the 2-D meshes only."""
+    return run_on(request.param, launches)
 
 
 def axis_sizes(shape):
@@ -142,16 +154,28 @@ def test_optimizer_slots_follow_their_parameter(run):
         assert slots["sgd/head_kernel_momentum"] == ["R"] * len(shape)
 
 
-def test_multi_axis_dimension_order(run):
-    nprocs, shape, reports = run
-    if len(shape) != 2:
-        pytest.skip("needs a 2-D mesh")
+def test_multi_axis_dimension_order(run_2d):
+    nprocs, shape, reports = run_2d
     batch_size, model_size, _ = axis_sizes(shape)
     full = np.arange(24, dtype="float32").reshape(8, 3)
     parts = batch_size * model_size
+    # Split over (batch, model), the mesh's own order: a `Shard` on each
+    # axis. Over (model, batch): the batch axis comes after the model
+    # axis in the split but first in the mesh, so DTensor splits it with
+    # the model axis's size as a stride, a `_StridedShard` (a plain
+    # `Shard` where either axis has one process).
+    strided = batch_size > 1 and model_size > 1
+    model_major_placements = [
+        f"_S(0, {model_size})" if strided else "S(0)",
+        "S(0)",
+    ]
     for rank, report in enumerate(reports):
         b, m = report["mesh_coordinate"]
         assert (b, m) == tuple(coordinate(rank, shape))
+        placements = report["multi_axis/batch_major/placements"]
+        assert placements == ["S(0)", "S(0)"]
+        placements = report["multi_axis/model_major/placements"]
+        assert placements == model_major_placements
         batch_major = np.asarray(report["multi_axis/batch_major/local"])
         model_major = np.asarray(report["multi_axis/model_major/local"])
         np.testing.assert_array_equal(
