@@ -380,7 +380,14 @@ def test_unseeded_replicated_variables_are_identical(launches, nprocs):
     assert reports[0]["unseeded/weights"] != reports[0][f"{mesh}/weights"]
 
 
-def test_unseeded_weights_differ_between_launches(launches):
-    # The shared seed is drawn afresh for each run, not fixed.
-    first, second = (launches(n)[0] for n in sorted({n for n, _ in MESHES}))
-    assert first["unseeded/weights"] != second["unseeded/weights"]
+def test_unseeded_weights_differ_between_launches(launches, tmp_path):
+    # The shared seed is drawn afresh for each launch, not fixed (nor a
+    # function of the process count): a second launch of 2 processes
+    # draws other weights than the first, identical on its processes.
+    first = launches(2)
+    second = harness.launch(
+        "foundation_worker.py", 2, tmp_path, ["unseeded"], timeout=180
+    )
+    assert second[0]["unseeded/weights"] == second[1]["unseeded/weights"]
+    assert second[0]["unseeded/placements"] == [["R"]] * 6
+    assert first[0]["unseeded/weights"] != second[0]["unseeded/weights"]

@@ -4,7 +4,9 @@ Usage: foundation_worker.py MESH_SHAPE [MESH_SHAPE ...], e.g. `2`, `1,2`,
 `2,1` or `2,2`; the values of each mesh are reported under `<MESH_SHAPE>/`.
 A 1-D mesh has the axis `model`; a 2-D mesh has `batch` and `model`.
 With the single argument `single` (one process), it reports the reference
-values under `single/`: plain Keras, without any distribution.
+values under `single/`: plain Keras, without any distribution. With the
+single argument `unseeded`, it reports the unseeded check alone
+(`unseeded/`), for a second launch to compare with.
 The worker never calls `keras.distribution.initialize()`: under torchrun,
 the first use of `keras.distribution` initializes on its own.
 """
@@ -326,6 +328,10 @@ def main():
     if sys.argv[1:] == ["single"]:
         with worker_utils.prefixed("single"):
             reference()
+        worker_utils.report()
+        return
+    if sys.argv[1:] == ["unseeded"]:
+        check_unseeded_variables()
         worker_utils.report()
         return
     check_initializes_on_first_use()
