@@ -14,6 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+import keras
 from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import process_sync
 
@@ -235,9 +236,14 @@ print(json.dumps(result))
 
 
 def test_single_process_needs_no_coordination():
+    # The keras this test imported, wherever it was imported from.
+    keras_root = os.path.dirname(os.path.dirname(keras.__file__))
+    path = [keras_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     completed = subprocess.run(
         [sys.executable, "-c", SINGLE_PROCESS_CHECK],
-        env=dict(os.environ, KERAS_BACKEND="torch"),
+        env=dict(
+            os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.pathsep.join(path)
+        ),
         capture_output=True,
         text=True,
         timeout=120,
