@@ -27,8 +27,8 @@ def edit_causal_lm_generates_on_global_batch(causal_lm_module):
     batch (`generate` has laid them out along the batch axis already), and
     every tensor made inside is a replicated DTensor, as in a step
     (`replicate_created_tensors`). A prompt batch that does not divide
-    by the processes splitting the batch is replicated instead
-    (`replicate_indivisible_batches`).
+    by the processes splitting the batch is padded with copies of its
+    last prompt, whose outputs are dropped (`pad_to_divide`).
 
     Stands for: in `keras_hub/src/models/causal_lm.py`,
     `make_generate_function`'s torch branch runs `generate_step` through
@@ -51,15 +51,18 @@ def edit_causal_lm_generates_on_global_batch(causal_lm_module):
                 return generate_function(inputs, stop_token_ids)
             from keras.src.backend.torch import batch_distribution
 
-            inputs = batch_distribution.replicate_indivisible_batches(
+            inputs, rows = batch_distribution.pad_to_divide(
                 inputs, distribution
             )
-            return _edits._torch_distribution_lib().call_on_global_batch(
+            outputs = _edits._torch_distribution_lib().call_on_global_batch(
                 generate_function,
                 (inputs,),
                 {"stop_token_ids": stop_token_ids},
                 distribution,
             )
+            if rows is None:
+                return outputs
+            return {key: value[:rows] for key, value in outputs.items()}
 
         self.generate_function = generate_on_global_batch
         return generate_on_global_batch

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -171,16 +170,17 @@ def distribute_data(data, distribution):
     return tree.pack_sequence_as(data, leaves)
 
 
-def replicate_indivisible_batches(data, distribution):
-    """Replicates the batches in `data` that do not divide evenly.
+def pad_to_divide(data, distribution):
+    """Pads the batches in `data` whose rows do not divide evenly.
 
-    A batch whose rows do not divide by the processes that split it
-    (one prompt on a batch axis of two) is laid out replicated along
-    the batch axis instead: every process of a model replica computes
-    every row, and nothing is split unevenly. For calls that run many
-    steps on one batch (keras-hub's `generate`), where an uneven split
-    would gather along the batch at every step. Divisible batches and
-    values without a batch dimension are returned as they are.
+    A batch whose rows do not divide by the processes that split it (one
+    prompt on a batch axis of two) gets copies of its last row until they
+    do, so that it splits evenly, as a divisible batch does. For calls
+    that run many steps on one batch (keras-hub's `generate`), where an
+    uneven split would gather along the batch at every step; a copy of a
+    real row behaves as that row does (it stops generating where the row
+    stops). Every process must call this function, in the same order: a
+    split batch is gathered first.
 
     Args:
         data: nested structure of DTensors, tensors or arrays: the global
@@ -188,31 +188,33 @@ def replicate_indivisible_batches(data, distribution):
         distribution: the active `Distribution`.
 
     Returns:
-        The same structure; the indivisible batches as replicated DTensors.
+        `(data, rows)`: the padded structure (the padded batches as plain
+        tensors, the global batch as every process holds it, others as
+        they were), and the number of rows before padding (None when no
+        batch needed any).
     """
+    rows = []
 
-    def replicate_one(x):
+    def pad_one(x):
         if not _is_batch_array(x):
             return x
         layout = dtensor_layouts.backend_layout(
             distribution.get_data_layout(x.shape)
         )
-        splits = [
-            layout.mesh.size(mesh_dim)
-            for mesh_dim, p in enumerate(layout.placements)
-            if p.is_shard(0)
-        ]
-        if x.shape[0] % max(1, np.prod(splits, dtype=int)) == 0:
+        parts = 1
+        for mesh_dim, placement in enumerate(layout.placements):
+            if placement.is_shard(0):
+                parts *= layout.mesh.size(mesh_dim)
+        if x.shape[0] % parts == 0:
             return x
-        replicated = [Replicate()] * layout.mesh.ndim
-        if isinstance(x, DTensor):
-            return x.redistribute(x.device_mesh, replicated)
-        value = to_device_tensor(x, layout.mesh)
-        return distribute_tensor(
-            value, layout.mesh, replicated, src_data_rank=None
-        )
+        rows.append(x.shape[0])
+        value = x.full_tensor() if isinstance(x, DTensor) else x
+        value = to_device_tensor(value, layout.mesh)
+        copies = value[-1:].expand(parts - x.shape[0] % parts, *value.shape[1:])
+        return torch.cat([value, copies])
 
-    return _map_leaves(replicate_one, data)
+    data = _map_leaves(pad_one, data)
+    return data, (rows[0] if rows else None)
 
 
 def _map_leaves(function, data):
