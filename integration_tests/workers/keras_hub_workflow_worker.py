@@ -6,8 +6,9 @@ RUN being `MODEL:MESH:CHECKS`:
   MODEL: a key of `MODELS` (gemma, llama, llama3, qwen, qwen_moe,
     qwen3_moe, mistral, gpt2).
   MESH: `dp` (`DataParallel`), `RxC` (`ModelParallel` on an R x C
-    ("batch", "model") mesh with the backbone's `get_layout_map`), or
-    `RxC+hand` (the same mesh with `HAND_WRITTEN`, a Megatron map).
+    ("batch", "model") mesh with the backbone's `get_layout_map`),
+    `RxC+hand` (the same mesh with `HAND_WRITTEN`, a Megatron map), or
+    `RxC+guide` (with `GEMMA_GUIDE`, the Gemma guide's own map).
   CHECKS: `+`-separated, of:
     `tune`: LoRA enabled after the layout map, `fit` (AdamW, a weighted
       metric, the padding mask as sample weight), `evaluate`, `predict`;
@@ -106,6 +107,19 @@ JIT_CONFIG = {
 KV1_CONFIG = {"num_key_value_heads": 1}
 # The configs of the runs whose reference is their own (`reference_key`).
 OWN_CONFIGS = {"jit": JIT_CONFIG}
+# The layout map of the "Distributed tuning with Gemma using Keras" guide
+# (Gemma's layers split by heads and columns over "model" only).
+GEMMA_GUIDE = {
+    "token_embedding/embeddings": ("model", None),
+    "decoder_block.*attention.*(query|key|value).kernel": (
+        "model",
+        None,
+        None,
+    ),
+    "decoder_block.*attention_output.kernel": ("model", None, None),
+    "decoder_block.*ffw_gating.kernel": (None, "model"),
+    "decoder_block.*ffw_linear.kernel": ("model", None),
+}
 # A variable each model's layout splits, whose placements are reported.
 SPLIT_KERNEL = {
     "gemma": "decoder_block_0/attention/query/kernel",
@@ -150,7 +164,8 @@ def set_distribution(model, mesh):
     )
     if hand:
         layout_map = keras.distribution.LayoutMap(device_mesh)
-        for key, axes in HAND_WRITTEN.items():
+        entries = GEMMA_GUIDE if hand == "guide" else HAND_WRITTEN
+        for key, axes in entries.items():
             layout_map[key] = axes
     else:
         layout_map = MODELS[model][0].get_layout_map(device_mesh)
