@@ -70,12 +70,13 @@ TORCHRUN_ENV = (
 )
 
 # Starts `single.py` with the keras-dtensor mount removed (or kept) before
-# keras is imported. Both variants start Python the same way.
+# keras is imported: its start-up hook, which would arm it at the first
+# keras import, and its finder. Both variants start Python the same way.
 _SINGLE_BOOT = (
     "import runpy, sys\n"
     "if {disable}:\n"
-    "    sys.meta_path[:] = [f for f in sys.meta_path\n"
-    "        if type(f).__name__ != 'KerasOverlayFinder']\n"
+    "    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__\n"
+    "        not in ('KerasOverlayFinder', 'KerasImportHook')]\n"
     "sys.path.insert(0, {here!r})\n"
     "sys.argv = ['single.py'] + sys.argv[1:]\n"
     "runpy.run_path({script!r}, run_name='__main__')\n"

@@ -5,8 +5,8 @@ module and changes it in place. UPSTREAMING.md lists every edit with the
 in-tree change it stands for. Edits act only under the torch backend, so
 keras on any other backend is exactly upstream keras.
 
-This module is imported at Python start-up: it imports neither torch nor
-keras at module level.
+This module is loaded when the mount is armed, at the first `keras` import:
+it imports neither torch nor keras at module level.
 """
 
 import functools

@@ -1,8 +1,8 @@
 """Import machinery of the mount: serves this repository's `keras/` modules.
 
-This module is imported at every Python start-up by `keras_dtensor.pth`, so
-it must stay cheap: it imports neither torch nor keras. It installs one
-meta-path finder that does two things:
+This module is loaded when the mount is armed, at the first `keras` import
+(`keras_dtensor._startup`); it imports neither torch nor keras. It defines
+the one meta-path finder of the mount, which does two things:
 
 1. It serves the modules of the overlay tree (the `keras/` folder shipped
    with this project) under their in-tree names, e.g.

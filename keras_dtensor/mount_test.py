@@ -1,4 +1,6 @@
-"""Tests of the mount: start-up cost, idempotence, scope and versions.
+"""Tests of the mount: idempotence, scope and versions.
+
+The start-up hook's cost and arming are `startup_test.py`'s.
 
 Each check runs in a fresh interpreter, since the mount acts at start-up
 and on first import of keras.
@@ -33,7 +35,7 @@ def test_startup_hook_imports_neither_torch_nor_keras():
     result = run_python(
         "import json, sys\n"
         "names = [type(f).__name__ for f in sys.meta_path]\n"
-        "print(json.dumps({'armed': 'KerasOverlayFinder' in names,"
+        "print(json.dumps({'armed': 'KerasImportHook' in names,"
         " 'torch': 'torch' in sys.modules, 'keras': 'keras' in sys.modules}))"
     )
     assert result == {"armed": True, "torch": False, "keras": False}
