@@ -71,7 +71,7 @@ MODULE_PATCHES = (
     (
         "0004-torch-sharding-rules.patch",
         "torch: sharding rules DTensor lacks or gets wrong",
-        [T + "sharding_rules.py"],
+        [T + "sharding_rules.py", T + "strided_shard_sizes.py"],
     ),
     (
         "0005-torch-created-tensors.patch",

@@ -114,6 +114,9 @@ refuses.
   own, applied to the input with that dimension gathered (replicated):
   the values are exact, and the gather costs an all-gather.
 
+- **`_StridedShard` sizes inside a compiled step** (`strided_shard_sizes`):
+  torch 2.13 computes them with tensors, which compile's tracing catches.
+
 `register()` installs every rule; `distribution_lib` calls it when it
 creates its first mesh, before any DTensor op runs.
 """
@@ -133,6 +136,8 @@ from torch.distributed.tensor._op_schema import OpStrategy
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from keras.src.backend.torch import strided_shard_sizes
 
 # View ops whose rule refuses to flatten or reshape a sharded dimension.
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -185,6 +190,7 @@ def register():
     _register_view_fallbacks()
     _wrap_rules()
     _register_replicated_fallback()
+    strided_shard_sizes.register()
 
 
 def _cuda_attention_rules():
