@@ -18,7 +18,7 @@ same workflow run without a distribution, by the same process:
   key/value head on (1, 2), which gets a clear error;
 - 4 processes: Gemma and Llama on (2, 2);
 - 2 processes, compiled: Gemma's LoRA `fit` with `jit_compile=True`
-  under DataParallel.
+  on (1, 2), with its own layout map.
 """
 
 import harness
@@ -58,7 +58,7 @@ LAUNCHES = {
         ],
     ),
     "four": (4, ["gemma:2x2:tune+generate", "llama:2x2:generate"]),
-    "compiled": (2, ["gemma:dp:jit"]),
+    "compiled": (2, ["gemma:1x2:jit"]),
 }
 RUNS = [run for _, runs in LAUNCHES.values() for run in runs]
 
@@ -225,7 +225,7 @@ def test_one_key_value_head_on_two_model_processes_is_refused(launches):
 
 
 def test_compiled_lora_fit_equals_eager_one_process(launches):
-    for got, ref in values(launches, "gemma:dp:jit"):
+    for got, ref in values(launches, "gemma:1x2:jit"):
         assert got["jit/graphs"] > 0
         np.testing.assert_allclose(
             got["jit/losses"], ref["losses"], rtol=LOSS_RTOL

@@ -381,6 +381,8 @@ def run(spec, stop_tokens, run_dir):
         if "jit" in names:
             x, y, sample_weight = data()
             losses = worker_utils.BatchLosses()
+            stats = torch._dynamo.utils.counters["stats"]
+            graphs = stats["unique_graphs"]
             task.fit(
                 x,
                 y,
@@ -391,10 +393,7 @@ def run(spec, stop_tokens, run_dir):
                 callbacks=[losses],
             )
             record("jit/losses", losses.losses)
-            record(
-                "jit/graphs",
-                torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            )
+            record("jit/graphs", stats["unique_graphs"] - graphs)
             return
         run_dir = os.path.join(run_dir, spec.replace(":", "_"))
         checks(task, model, names, stop_tokens[key], run_dir)
