@@ -197,12 +197,9 @@ def numbers(value):
     return np.asarray(keras.ops.convert_to_numpy(value)).tolist()
 
 
-def tune(task):
-    """Fits, evaluates and predicts; records the numbers and the LoRA
-    variables' movement."""
+def fit(task):
+    """Fits one epoch of `data()`; returns the history and batch losses."""
     x, y, sample_weight = data()
-    frozen = {v.path: numbers(v) for v in task.non_trainable_weights}
-    lora = {v.path: numbers(v) for v in task.trainable_weights}
     losses = worker_utils.BatchLosses()
     history = task.fit(
         x,
@@ -213,7 +210,17 @@ def tune(task):
         verbose=0,
         callbacks=[losses],
     )
-    record("losses", losses.losses)
+    return history, losses.losses
+
+
+def tune(task):
+    """Fits, evaluates and predicts; records the numbers and the LoRA
+    variables' movement."""
+    x, y, sample_weight = data()
+    frozen = {v.path: numbers(v) for v in task.non_trainable_weights}
+    lora = {v.path: numbers(v) for v in task.trainable_weights}
+    history, losses = fit(task)
+    record("losses", losses)
     record("accuracy", history.history["sparse_categorical_accuracy"])
     record(
         "evaluate",
@@ -379,20 +386,9 @@ def run(spec, stop_tokens, run_dir):
             task = build(model)
         record("placements", placements_of(task, model))
         if "jit" in names:
-            x, y, sample_weight = data()
-            losses = worker_utils.BatchLosses()
             stats = torch._dynamo.utils.counters["stats"]
             graphs = stats["unique_graphs"]
-            task.fit(
-                x,
-                y,
-                sample_weight=sample_weight,
-                batch_size=BATCH,
-                shuffle=False,
-                verbose=0,
-                callbacks=[losses],
-            )
-            record("jit/losses", losses.losses)
+            record("jit/losses", fit(task)[1])
             record("jit/graphs", stats["unique_graphs"] - graphs)
             return
         run_dir = os.path.join(run_dir, spec.replace(":", "_"))

@@ -97,6 +97,7 @@ from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import distribution_lib
+from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -839,14 +840,7 @@ class _TieDifferentiableOutputs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.output_metadata = [_dtensor_metadata(o) for o in outputs]
         return tuple(
-            DTensor.from_local(
-                output.to_local(),
-                output.device_mesh,
-                output.placements,
-                run_check=False,
-                shape=output.shape,
-                stride=output.stride(),
-            )
+            dtensor_layouts.rewrapped(output, output.to_local())
             for output in outputs
         )
 

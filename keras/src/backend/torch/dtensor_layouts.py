@@ -126,6 +126,20 @@ def relayout(value, layout):
     )
 
 
+def rewrapped(value, local):
+    """A DTensor over `local` laid out as the DTensor `value` (its mesh,
+    placements, global shape and strides), made by `from_local`, so
+    differentiable; `local` must be such a layout's local tensor."""
+    return DTensor.from_local(
+        local,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
 def contiguous_strides(shape):
     """The strides of a contiguous tensor of `shape`."""
     strides = []

@@ -639,14 +639,7 @@ def _redistribute_gradient(grad, parameter):
     grad = grad.redistribute(parameter.device_mesh, parameter.placements)
     local = grad.to_local()
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
-        grad = DTensor.from_local(
-            local.clone(),
-            grad.device_mesh,
-            grad.placements,
-            run_check=False,
-            shape=grad.shape,
-            stride=grad.stride(),
-        )
+        grad = dtensor_layouts.rewrapped(grad, local.clone())
     return grad
 
 
