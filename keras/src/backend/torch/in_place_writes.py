@@ -13,10 +13,13 @@ keeps its layout and is never gathered:
 - `copy_` (and a slice assignment, which is a view's `copy_`): the source
   takes the target's placements, its dimensions matched from the right
   as broadcasting matches them, and `Replicate` where it broadcasts.
-- `index_put_` and `index_put`: on every mesh axis where the target is
-  replicated, the indices and values are replicated too (DTensor's rule
-  replicates a target whose indexed dimensions are split, so this is the
-  layout it needs); on the other axes DTensor decides.
+- `index_put_` and `index_put` into a target split along a dimension
+  they index (a batch-split prompt the sampler writes into): each process
+  writes the elements it owns into its shard, at local indices, where
+  DTensor's rule would gather the target.
+- Any other `index_put_`: on every mesh axis where the target is
+  replicated, the indices and values are replicated too (the layout
+  DTensor's rule needs there); on the other axes DTensor decides.
 
 What is written is usually small (one token's keys and values), so its
 redistribution costs a small all-gather. The handlers run in the step's
