@@ -14,8 +14,11 @@ same workflow run without a distribution, by the same process:
   workflow), and under the guide's own layout map on (1, 2) and (2, 1);
   Llama on (1, 2) and (2, 1); Qwen, Qwen-MoE and Qwen3-MoE on (1, 2) and
   (2, 1) (generation); Llama3, Mistral and GPT-2 under DataParallel and
-  a hand-written map on (1, 2) (generation); and a Gemma with one
-  key/value head on (1, 2), which gets a clear error;
+  a hand-written map on (1, 2) (generation); a Gemma with one key/value
+  head (Gemma 2B's multi-query attention) under the guide's map with key
+  and value replicated on (1, 2) and (2, 1), and under DataParallel; and
+  the same Gemma under its published map on (1, 2), which splits the one
+  key/value head and gets a clear error;
 - 4 processes: Gemma and Llama on (2, 2);
 - 2 processes, compiled: Gemma's LoRA `fit` with `jit_compile=True`
   on (1, 2), with its own layout map.
@@ -36,11 +39,14 @@ LAUNCHES = {
         2,
         [
             f"gemma:1x2:{WORKFLOW}",
-            "gemma:2x1:tune+generate",
+            f"gemma:2x1:{WORKFLOW}",
             f"gemma:dp:{WORKFLOW}",
             "gemma:1x2:kv1",
             "gemma:1x2+guide:tune+generate",
             "gemma:2x1+guide:generate",
+            f"gemma_mqa:1x2+mqa:{WORKFLOW}",
+            "gemma_mqa:2x1+mqa:tune+generate",
+            "gemma_mqa:dp:tune+generate",
             "llama:1x2:tune+generate",
             "llama:2x1:generate",
             "qwen:1x2:generate",

@@ -7,8 +7,11 @@ otherwise than what is written (`copy_` of a column-split source into a
 replicated target, a slice assignment of a row-split value, `index_put_`
 into a row-split target, with and without `accumulate`, negative indices
 included); `argmax` along a split last dimension given as `-1`, `min`
-over a split dimension, `amax`; and Python values (`int`, `item`,
-`bool`, `tolist`) of split and partial DTensors. Each result must equal
+over a split dimension, `amax`; Python values (`int`, `item`,
+`bool`, `tolist`) of split and partial DTensors; and the gradients of
+Gemma's rotary key path with one key/value head, whose backward views a
+`cat` that DTensor lays out locally otherwise than it records
+(`local_layouts`). Each result must equal
 the same op on the full tensors in plain torch, on every rank, and keep
 the layout the handler promises.
 """
@@ -86,3 +89,19 @@ def test_python_values_are_the_whole_values(reports):
         assert report["item_of_sum"] == lengths.sum().item()
         assert report["bool_of_any"] is bool((lengths > 6).any())
         assert report["tolist"] == lengths.tolist()
+
+
+def test_cat_gradients_in_the_recorded_layout_equal_plain_torch(reports):
+    for rank, report in enumerate(reports):
+        # If this fails, torch lays the local `cat` out as it records it
+        # and `local_layouts` can go.
+        assert "view size is not compatible" in report["rotary/outside_error"]
+        assert report["rotary/x_gradient/placements"] == ["S(0)"]
+        for name in ("x_gradient", "kernel_gradient"):
+            torch.testing.assert_close(
+                torch.tensor(report[f"rotary/{name}/values"]),
+                torch.tensor(report[f"rotary/plain/{name}"]),
+                atol=1e-4,
+                rtol=1e-5,
+                msg=f"rank {rank} {name}",
+            )

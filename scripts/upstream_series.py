@@ -80,6 +80,7 @@ MODULE_PATCHES = (
             T + "created_tensors.py",
             T + "extreme_reductions.py",
             T + "in_place_writes.py",
+            T + "local_layouts.py",
             T + "python_values.py",
         ],
     ),

@@ -3,12 +3,14 @@ writes it, with tiny configs and synthetic token ids.
 
 Usage: keras_hub_workflow_worker.py RUN [RUN ...] (under torchrun), each
 RUN being `MODEL:MESH:CHECKS`:
-  MODEL: a key of `MODELS` (gemma, llama, llama3, qwen, qwen_moe,
+  MODEL: a key of `MODELS` (gemma, gemma_mqa, llama, llama3, qwen, qwen_moe,
     qwen3_moe, mistral, gpt2).
   MESH: `dp` (`DataParallel`), `RxC` (`ModelParallel` on an R x C
     ("batch", "model") mesh with the backbone's `get_layout_map`),
     `RxC+hand` (the same mesh with `HAND_WRITTEN`, a Megatron map), or
-    `RxC+guide` (with `GEMMA_GUIDE`, the Gemma guide's own map).
+    `RxC+guide` (with `GEMMA_GUIDE`, the Gemma guide's own map) or
+    `RxC+mqa` (`GEMMA_MQA`, the guide's map with key and value
+    replicated, for a Gemma with one key/value head).
   CHECKS: `+`-separated, of:
     `tune`: LoRA enabled after the layout map, `fit` (AdamW, a weighted
       metric, the padding mask as sample weight), `evaluate`, `predict`;
@@ -50,6 +52,12 @@ M = keras_hub.models
 # name -> (backbone class, causal LM class, extra config).
 MODELS = {
     "gemma": (M.GemmaBackbone, M.GemmaCausalLM, {**ATTENTION, "head_dim": 8}),
+    # One key/value head (multi-query attention, as Gemma 2B has).
+    "gemma_mqa": (
+        M.GemmaBackbone,
+        M.GemmaCausalLM,
+        {**ATTENTION, "head_dim": 8, "num_key_value_heads": 1},
+    ),
     "llama": (M.LlamaBackbone, M.LlamaCausalLM, ATTENTION),
     "llama3": (M.Llama3Backbone, M.Llama3CausalLM, ATTENTION),
     "qwen": (M.QwenBackbone, M.QwenCausalLM, ATTENTION),
@@ -120,9 +128,20 @@ GEMMA_GUIDE = {
     "decoder_block.*ffw_gating.kernel": (None, "model"),
     "decoder_block.*ffw_linear.kernel": ("model", None),
 }
+# The guide's map for a Gemma with one key/value head (as Gemma 2B has):
+# the query heads split over "model", the key and value kernels (one
+# head) replicated.
+GEMMA_MQA = {
+    **{k: v for k, v in GEMMA_GUIDE.items() if "query" not in k},
+    "decoder_block.*attention.*query.kernel": ("model", None, None),
+    "decoder_block.*attention.*(key|value).kernel": (None, None, None),
+}
+# The hand-written maps of `RxC+<name>` meshes.
+HAND_MAPS = {"hand": HAND_WRITTEN, "guide": GEMMA_GUIDE, "mqa": GEMMA_MQA}
 # A variable each model's layout splits, whose placements are reported.
 SPLIT_KERNEL = {
     "gemma": "decoder_block_0/attention/query/kernel",
+    "gemma_mqa": "decoder_block_0/attention/query/kernel",
 }
 DEFAULT_SPLIT_KERNEL = "transformer_layer_0/self_attention/query/kernel"
 
@@ -164,8 +183,7 @@ def set_distribution(model, mesh):
     )
     if hand:
         layout_map = keras.distribution.LayoutMap(device_mesh)
-        entries = GEMMA_GUIDE if hand == "guide" else HAND_WRITTEN
-        for key, axes in entries.items():
+        for key, axes in HAND_MAPS[hand].items():
             layout_map[key] = axes
     else:
         layout_map = MODELS[model][0].get_layout_map(device_mesh)

@@ -1,5 +1,5 @@
-"""The step mode's handlers for in-place writes, extreme reductions and
-Python values, on tensors split over 2 processes.
+"""The step mode's handlers for in-place writes, extreme reductions,
+Python values and local layouts, on tensors split over 2 processes.
 
 Inside `replicate_created_tensors` on a ("batch",) mesh of every process,
 each check runs an op on DTensors split over the processes and records
@@ -83,17 +83,59 @@ def python_values(split):
     record("tolist", lengths.tolist())
 
 
+def rotary_gradients(x, kernel, rotation, queries):
+    """The gradients of Gemma's key path with one key/value head: the
+    projection's `einsum`, the rotary embedding (`split`, `cat`), Gemma's
+    interleaving (`stack`, `reshape`) and the attention scores' `einsum`.
+    Backward views the `cat` of size-1-head gradients."""
+    key = torch.einsum("btd,ndh->btnh", x, kernel)
+    first, second = torch.split(key, 4, dim=-1)
+    key = key * rotation + torch.cat([-second, first], dim=-1) * rotation
+    key = torch.stack(torch.split(key, 4, dim=-1), dim=-1).reshape(key.shape)
+    scores = torch.einsum("btkgh,bskh->bkgts", queries, key)
+    return torch.autograd.grad(scores.sum(), (x, kernel))
+
+
+def rotary_inputs(mesh=None):
+    """`rotary_gradients`' inputs: plain, or with the batch split over the
+    processes of `mesh`."""
+    generator = torch.Generator().manual_seed(1)
+    x, kernel, rotation, queries = (
+        torch.randn(shape, generator=generator)
+        for shape in ((4, 8, 32), (1, 32, 8), (1, 8, 1, 8), (4, 8, 1, 4, 8))
+    )
+    if mesh is not None:
+        split, replicated = [Shard(0)], [Replicate()]
+        x = distribute_tensor(x, mesh, split)
+        kernel = distribute_tensor(kernel, mesh, replicated)
+        rotation = distribute_tensor(rotation, mesh, replicated)
+        queries = distribute_tensor(queries, mesh, split)
+    return x.requires_grad_(), kernel.requires_grad_(), rotation, queries
+
+
 def main():
     keras.distribution.initialize()
     devices = keras.distribution.list_devices()
     keras_mesh = keras.distribution.DeviceMesh(
         (len(devices),), ("batch",), devices
     )
-    split = split_inputs(keras_mesh.backend_mesh, full_values())
+    mesh = keras_mesh.backend_mesh
+    split = split_inputs(mesh, full_values())
+    # DTensor's error outside a step (the torch gap `local_layouts` fills).
+    worker_utils.record_error(
+        "rotary/outside_error", lambda: rotary_gradients(*rotary_inputs(mesh))
+    )
+    rotary = rotary_inputs(mesh)
     with created_tensors.replicate_created_tensors(keras_mesh):
         in_place_writes(split)
         extreme_reductions(split)
         python_values(split)
+        x_gradient, kernel_gradient = rotary_gradients(*rotary)
+    record_whole("rotary/x_gradient", x_gradient)
+    record_whole("rotary/kernel_gradient", kernel_gradient)
+    plain = rotary_gradients(*rotary_inputs())
+    record("rotary/plain/x_gradient", plain[0].tolist())
+    record("rotary/plain/kernel_gradient", plain[1].tolist())
     worker_utils.report()
 
 

@@ -35,6 +35,7 @@ from keras.src.backend.torch import python_values
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch.dtensor_layouts import contiguous_strides
 from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
+from keras.src.backend.torch.local_layouts import recorded_local_layouts
 
 # Whether `replicate_created_tensors` is active, per thread.
 _STATE = threading.local()
@@ -78,9 +79,10 @@ def replicate_created_tensors(device_mesh, compiled=False):
             if compiled
             else _ReplicateCreatedTensors
         )
-        with mode_class(device_mesh.backend_mesh) as mode:
-            _STATE.mode = mode
-            yield
+        with recorded_local_layouts():
+            with mode_class(device_mesh.backend_mesh) as mode:
+                _STATE.mode = mode
+                yield
     finally:
         _STATE.active = False
         _STATE.mode = None
