@@ -3,7 +3,6 @@
 import contextlib
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -62,48 +61,18 @@ def prefixed(prefix):
 
 
 def report():
-    """Writes this rank's recorded values for the test process, and exits.
+    """Writes this rank's recorded values for the test process.
 
-    The worker's work is done: every collective has completed, every file
-    is written. The process group is torn down, then the process exits at
-    once (`_exit_without_static_destructors`).
+    The worker then ends as a user's script does: `main` returns, and the
+    process group `keras.distribution.initialize` made is torn down at
+    exit (`process_group.destroy_at_exit`). An abort at exit fails the
+    launch.
     """
     result_dir = os.environ["KERAS_DTENSOR_TEST_RESULT_DIR"]
     path = os.path.join(result_dir, f"rank{rank()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(_REPORT, f)
     os.replace(path + ".tmp", path)
-    _destroy_process_group()
-    _exit_without_static_destructors()
-
-
-def _exit_without_static_destructors():
-    """Ends the worker with status 0, skipping interpreter finalization.
-
-    Even with the process group destroyed, a clean-clone CI run (0bfc507,
-    `callbacks_worker.py`, rank 1) ended in "terminate called without an
-    active exception" (SIGABRT) with no Python frame left: a C++ thread of
-    torch's distributed runtime still joinable when static destructors
-    ran. Nothing of the worker's is left to run or flush but stdio.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _destroy_process_group():
-    """Tears the process group down before the interpreter exits.
-
-    Left to interpreter exit, gloo's threads (and those of `DETAIL`'s
-    wrapper group) were torn down by static destructors: a worker once
-    ended in "terminate called without an active exception" (SIGABRT)
-    after its Python code had finished. Every collective of the worker
-    has completed by now; tearing down issues none.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def set_distribution(mode, layouts=None, auto_shard_dataset=True):

@@ -40,7 +40,10 @@ overlaps the current unit's compute while one gather at a time is in
 flight. A prefetched unit that the call never reads is waited for when
 the call ends. A unit's reduce-scatter is issued when autograd reaches
 it. The same program on the same global shapes gives the same order on
-every process.
+every process. The buffers of an asynchronous gather: its input is a new
+flat copy of the shards, and its output is read only after the gather
+is waited for; a prefetch the call never reads is waited for when the
+call ends, raised or not.
 """
 
 import os

@@ -39,6 +39,13 @@ A partial value that is not a gradient can ride along with them
 (`reduced_with_gradients`): the train step's loss, a partial mean, joins
 the bucket sent when backward ends, as one more element, instead of
 being all-reduced by itself.
+
+The buffers of the asynchronous all-reduces: a bucket's flat buffer is a
+new tensor (a `cat` of copies), which the bucket holds and nothing
+writes until its work is waited for (`finish`); the gradients it was
+copied from may be freed at once. A backward pass that raised has the
+buckets it sent waited for before they are dropped (`discard_pending`),
+so no collective of a step outlives it.
 """
 
 import contextlib
@@ -119,6 +126,16 @@ class _Bucket:
             group=self.mesh.get_group(self.partial_dims[0]),
             async_op=True,
         )
+
+    def abandon(self):
+        """Waits for the reduction of a backward pass that raised, whose
+        result is not read: gloo reads and writes `flat` until then. A
+        failed wait (a process gone) leaves the step's own error to be
+        raised."""
+        try:
+            self.work.wait()
+        except RuntimeError:
+            pass
 
     def finish(self, assigned):
         """Waits for the reduction and hands each parameter its gradient.
@@ -560,12 +577,14 @@ def discard_pending():
     that pass would queue no finalizer, so its gradients would never
     reach the parameters, and the stale gradients would join its buckets.
     A step that raises calls this (`DistributedStepFunction`).
-    Collectives the failed pass sent are left to complete; their buffers
-    are not read.
+    Collectives the failed pass sent are waited for, and their results
+    dropped.
     """
     global _PENDING
 
-    _PENDING = _PendingReduction()
+    pending, _PENDING = _PENDING, _PendingReduction()
+    for bucket in pending.launched:
+        bucket.abandon()
 
 
 def _accumulated(parameter, local):

@@ -7,11 +7,17 @@ DTensor needs a process group even for one process, so the first mesh
 creates a single-process one when nothing else did
 (`ensure_process_group`).
 
+The process groups are torn down when the interpreter exits
+(`destroy_at_exit`, registered by `initialize` and by the group that
+`ensure_process_group` creates), however the script ends: falling off
+its end, `sys.exit`, or an exception.
+
 Collectives here: the seed broadcast of `initialize_rng`, issued only from
 `initialize` and `share_seed_once` (called by `set_distribution`), which
-every process calls in the same order.
+every process calls in the same order. Tearing down issues none.
 """
 
+import atexit
 import datetime
 import os
 
@@ -32,6 +38,7 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     """
     if not dist.is_initialized():
         init_process_group(job_addresses, num_processes, process_id)
+    destroy_at_exit()
     initialize_rng()
 
 
@@ -122,6 +129,7 @@ def ensure_process_group():
     """
     if dist.is_initialized():
         return
+    destroy_at_exit()
     if launched_multi_process():
         init_process_group(None, None, None)
         return
@@ -176,6 +184,33 @@ def init_process_group(job_addresses, num_processes, process_id):
     else:
         backend = "gloo"
     dist.init_process_group(backend=backend, **kwargs)
+
+
+def destroy_at_exit():
+    """Tears the process groups down at interpreter exit, once.
+
+    Left to the interpreter's finalization, gloo's worker threads were
+    still running when C++ static destructors ran, and the process ended
+    in "terminate called without an active exception" (SIGABRT) after all
+    its work: torchrun then reports the job failed. Torch asks scripts to
+    call `destroy_process_group` themselves (pytorch#190489; pytorch#179291
+    proposed this same exit hook for torch and was abandoned). An exit
+    hook runs while the interpreter is whole; a group the script destroyed
+    already is not destroyed twice.
+    """
+    atexit.unregister(destroy_process_group)
+    atexit.register(destroy_process_group)
+
+
+def destroy_process_group():
+    """Destroys every process group, if the default one is still up.
+
+    It issues no collective, so a process may reach it alone: when one
+    process raised and the others wait in a collective, the others fail
+    at its timeout, then tear down.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_cuda_device(rank):
