@@ -14,7 +14,9 @@
   `TRAIN_STEP_COPIES`, which clears and reads the gradients with that
   mode suspended (`outside_step_mode`): they are attribute reads and
   writes of every variable, which the mode would otherwise intercept one
-  by one, and create no tensor.
+  by one, and create no tensor. A keras whose `train_step` has no copy
+  there runs its own, as a model's own, with a warning naming the
+  version.
 - Under a distribution with `jit_compile=True`, the step is compiled with
   `distributed_step_backend` instead of upstream's plain `torch.compile`.
 
@@ -105,8 +107,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 STEP_KINDS = ("train", "test", "predict")
 
 # SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in keras 3.15.1,
-# whose copy is `TRAIN_STEP_COPIES`' first entry and the one used where the
-# installed source has none (`distributed_trainer_test` fails there).
+# whose copy is `TRAIN_STEP_COPIES`' first entry. Where the installed
+# source has no copy, the installed step runs, with a warning
+# (`distributed_trainer_test` fails there).
 UPSTREAM_TRAIN_STEP_SHA256 = (
     "a638d4455d8fced660adaffa6b4240ed0c28f8bd1832684b245466ba7f1694d0"
 )
@@ -352,7 +355,10 @@ def train_step_with_detached_predictions(trainer, eager=False):
     """
     copy = TRAIN_STEP_COPIES.get(installed_train_step_sha256())
     if copy is None:
-        copy = TRAIN_STEP_COPIES[UPSTREAM_TRAIN_STEP_SHA256]
+        # Another version's copy could differ from what this keras's step
+        # does; the installed step runs as it is, as a model's own would.
+        warnings.warn(unknown_train_step_message(), stacklevel=2)
+        return trainer.train_step
     step = copy(trainer, eager=eager)
     if not eager:
         return step
@@ -372,6 +378,21 @@ def installed_train_step_sha256():
 
     source = inspect.getsource(TorchTrainer.train_step)
     return hashlib.sha256(source.encode()).hexdigest()
+
+
+def unknown_train_step_message():
+    """The warning for a keras whose `train_step` has no copy here."""
+    import keras
+
+    return (
+        f"keras {keras.__version__}'s `TorchTrainer.train_step` is not one "
+        "keras-dtensor has a copy of (its source's SHA-256 is "
+        f"{installed_train_step_sha256()}). Distributed training runs it "
+        "as it is, as it runs a model's own `train_step`: the values are "
+        "the same, but the loss is all-reduced by itself instead of with "
+        "the last gradients, and the metrics' inputs keep their autograd "
+        "history through backward."
+    )
 
 
 def train_step_copy_3_15(trainer, eager=False):

@@ -146,6 +146,21 @@ def test_the_installed_train_steps_copy_is_used(monkeypatch):
     assert calls[-1] == ("model", True)
 
 
+def test_an_unknown_train_step_runs_as_installed_with_a_warning(
+    monkeypatch,
+):
+    monkeypatch.setattr(
+        distributed_trainer, "installed_train_step_sha256", lambda: "f" * 64
+    )
+    model = make_model(jit_compile=False)
+    with pytest.warns(UserWarning) as warned:
+        step = distributed_trainer.train_step_with_detached_predictions(model)
+    assert step == model.train_step
+    (message,) = [str(w.message) for w in warned]
+    assert f"keras {keras.__version__}'s" in message
+    assert "f" * 64 in message
+
+
 def test_without_distribution_step_functions_are_upstream():
     for function in make_step_functions(make_model(jit_compile=True)):
         assert isinstance(function, distributed_trainer.DistributedStepFunction)
