@@ -25,11 +25,12 @@ def install():
     if _finder.installed_finder() is not None:
         return
     from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
     finder = _finder.KerasOverlayFinder(
         _finder.overlay_root(),
         _edits.POST_IMPORT_EDITS,
-        version_check=_edits.check_installed_keras_version,
+        version_check=_versions.check_installed_keras_version,
     )
     sys.meta_path.insert(0, finder)
     _edits.apply_to_loaded_modules()

@@ -12,7 +12,7 @@ keras-hub's.
 
 # `_edits` imports this module first; its functions are used only when
 # the edits run, after both modules have executed.
-from keras_dtensor import _edits
+from keras_dtensor import _edit_support as support
 
 
 def edit_causal_lm_generates_on_global_batch(causal_lm_module):
@@ -34,11 +34,11 @@ def edit_causal_lm_generates_on_global_batch(causal_lm_module):
     `make_generate_function`'s torch branch runs `generate_step` through
     `call_on_global_batch` when a distribution is set.
     """
-    if not _edits._is_torch_backend():
+    if not support.is_torch_backend():
         return
     causal_lm = causal_lm_module.CausalLM
     upstream = causal_lm.make_generate_function
-    current_distribution = _edits.distribution_accessor()
+    current_distribution = support.distribution_accessor()
 
     def make_generate_function(self):
         if self.generate_function is not None:
@@ -54,7 +54,7 @@ def edit_causal_lm_generates_on_global_batch(causal_lm_module):
             inputs, rows = batch_distribution.pad_to_divide(
                 inputs, distribution
             )
-            outputs = _edits._torch_distribution_lib().call_on_global_batch(
+            outputs = support.torch_distribution_lib().call_on_global_batch(
                 generate_function,
                 (inputs,),
                 {"stop_token_ids": stop_token_ids},

@@ -17,12 +17,12 @@ import os
 
 # `_edits` imports this module first; its functions are used only when
 # the edits run, after both modules have executed.
-from keras_dtensor import _edits
+from keras_dtensor import _edit_support as support
 
 
 def _distribution_is_set():
     """Whether a distribution is active, read as every edit reads it."""
-    return _edits.distribution_accessor()() is not None
+    return support.distribution_accessor()() is not None
 
 
 def _distributed_saving():
@@ -39,7 +39,7 @@ def edit_saving_api_save(saving_api):
     set, `save_model` and `save_weights` run their body through
     `distributed_saving.save_from_process_zero`.
     """
-    if not _edits._is_torch_backend():
+    if not support.is_torch_backend():
         return
     upstream_save_model = saving_api.save_model
     upstream_save_weights = saving_api.save_weights
@@ -101,7 +101,7 @@ def edit_saving_api_load(saving_api):
     and `restore_interrupted_replace` (for folder saves, on process 0 under
     `distributed_saving.process_zero_writes`) when a distribution is set.
     """
-    if not _edits._is_torch_backend():
+    if not support.is_torch_backend():
         return
     upstream_load_model = saving_api.load_model
     upstream_load_weights = saving_api.load_weights
@@ -149,7 +149,7 @@ def edit_file_utils_makedirs(file_utils):
     `keras/src/utils/file_utils.py`, `makedirs` calls
     `os.makedirs(path, exist_ok=True)` for local paths.
     """
-    if not _edits._is_torch_backend():
+    if not support.is_torch_backend():
         return
     upstream_makedirs = file_utils.makedirs
 
@@ -237,7 +237,7 @@ def edit_backup_and_restore(module):
     training run on process 0 under `distributed_saving.process_zero_writes`
     (every process enters, process 0 writes, all learn the outcome).
     """
-    if not _edits._is_torch_backend():
+    if not support.is_torch_backend():
         return
     backup_and_restore = module.BackupAndRestore
     upstream_on_train_begin = backup_and_restore.on_train_begin

@@ -12,7 +12,7 @@ import pytest
 
 import keras
 from keras.src.backend.torch import distribution_lib
-from keras_dtensor import _edits
+from keras_dtensor import _step_edits
 
 
 @pytest.fixture
@@ -38,9 +38,9 @@ def test_scope_goes_through_the_edited_set_distribution(data_parallel):
 
 
 def test_no_note_without_a_multi_process_distribution(data_parallel):
-    assert _edits.collective_failure_note("fit") is None
+    assert _step_edits.collective_failure_note("fit") is None
     keras.distribution.set_distribution(data_parallel)
-    assert _edits.collective_failure_note("fit") is None
+    assert _step_edits.collective_failure_note("fit") is None
 
 
 class Failing(keras.layers.Layer):

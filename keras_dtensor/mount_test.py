@@ -59,7 +59,7 @@ def test_import_is_idempotent():
         " 'module': init.__module__, 'core': core.__name__}))"
     )
     assert result["finders"] == 1
-    assert result["module"] == "keras_dtensor._edits"
+    assert result["module"] == "keras_dtensor._variable_edits"
     # The edit wraps upstream's method itself, not an earlier edit; a later
     # keras moved the module (served under the old name, MOVED_MODULES).
     assert result["core"] in (
@@ -114,12 +114,13 @@ def test_other_backends_are_untouched(monkeypatch):
     import types
 
     from keras.src.backend import config
-    from keras_dtensor import _edits
+    from keras_dtensor import _step_edits
+    from keras_dtensor import _variable_edits
 
     monkeypatch.setattr(config, "backend", lambda: "jax")
     module = types.SimpleNamespace(distribution_lib=None)
-    _edits.edit_backend_distribution_lib(module)
-    _edits.edit_distribution_api_binding(module)
+    _variable_edits.edit_backend_distribution_lib(module)
+    _variable_edits.edit_distribution_api_binding(module)
     assert module.distribution_lib is None
 
     class TensorLayout:
@@ -127,14 +128,14 @@ def test_other_backends_are_untouched(monkeypatch):
             return "upstream"
 
     module.TensorLayout = TensorLayout
-    _edits.edit_tensor_layout_multi_axis(module)
+    _variable_edits.edit_tensor_layout_multi_axis(module)
     assert TensorLayout._validate_axes(None) == "upstream"
 
     def get_data_adapter(x):
         return "upstream"
 
     module.get_data_adapter = get_data_adapter
-    _edits.edit_data_adapter_auto_shard(module)
+    _step_edits.edit_data_adapter_auto_shard(module)
     assert module.get_data_adapter is get_data_adapter
 
 
@@ -181,11 +182,11 @@ def test_torch_without_distribution_creates_plain_parameters(
 
 def test_unsupported_version_gives_one_clear_error(monkeypatch):
     from keras.src import version
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
     monkeypatch.setattr(version, "__version__", "3.14.0")
-    with pytest.raises(_edits.UnsupportedVersionError) as error:
-        _edits.check_supported_versions()
+    with pytest.raises(_versions.UnsupportedVersionError) as error:
+        _versions.check_supported_versions()
     message = str(error.value)
     assert "keras>=3.15.1,<3.16" in message
     assert "keras-nightly 3.16.0.dev2026102704" in message
@@ -193,19 +194,19 @@ def test_unsupported_version_gives_one_clear_error(monkeypatch):
     assert "keras==3.14.0" in message
     for supported in ("3.15.1", "3.15.2", "3.16.0.dev2026102704"):
         monkeypatch.setattr(version, "__version__", supported)
-        _edits.check_supported_versions()
+        _versions.check_supported_versions()
     for unsupported in ("3.16.0", "3.16.0.dev2026102705", "3.17.0.dev1"):
         monkeypatch.setattr(version, "__version__", unsupported)
-        with pytest.raises(_edits.UnsupportedVersionError):
-            _edits.check_supported_versions()
+        with pytest.raises(_versions.UnsupportedVersionError):
+            _versions.check_supported_versions()
 
 
 def test_supported_keras_versions():
     """The range of releases, and the keras-nightly versions outside it
     that the suite was run on, one by one."""
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
-    assert _edits.TESTED_KERAS_NIGHTLY == ("3.16.0.dev2026102704",)
+    assert _versions.TESTED_KERAS_NIGHTLY == ("3.16.0.dev2026102704",)
     supported = {
         "3.15.0": False,
         "3.15.1": True,
@@ -217,8 +218,8 @@ def test_supported_keras_versions():
         "3.16.0": False,
     }
     for version, expected in supported.items():
-        assert _edits.keras_version_supported(version) is expected, version
-    assert _edits._keras_support_text() == (
+        assert _versions.keras_version_supported(version) is expected, version
+    assert _versions._keras_support_text() == (
         "keras>=3.15.1,<3.16 (or the tested keras-nightly 3.16.0.dev2026102704)"
     )
 
@@ -238,36 +239,36 @@ def test_torch_outside_the_tested_range_is_an_error(
 ):
     import torch
 
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
     monkeypatch.setattr(torch, "__version__", torch_version)
     if supported:
-        _edits.check_supported_versions()
+        _versions.check_supported_versions()
         return
-    with pytest.raises(_edits.UnsupportedVersionError) as error:
-        _edits.check_supported_versions()
+    with pytest.raises(_versions.UnsupportedVersionError) as error:
+        _versions.check_supported_versions()
     assert f"torch=={torch_version}" in str(error.value)
     assert "torch>=2.11,<2.16" in str(error.value)
 
 
 def test_pyproject_declares_the_checked_ranges():
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
     with open(os.path.join(REPO, "pyproject.toml")) as f:
         pyproject = f.read()
     for name, supported in (
-        ("keras", _edits.SUPPORTED_KERAS),
-        ("torch", _edits.SUPPORTED_TORCH),
+        ("keras", _versions.SUPPORTED_KERAS),
+        ("torch", _versions.SUPPORTED_TORCH),
     ):
-        assert f'"{_edits._range_text(name, supported)}"' in pyproject
+        assert f'"{_versions._range_text(name, supported)}"' in pyproject
 
 
 def test_version_parsing():
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
-    assert _edits._version_tuple("2.13.0+cpu") == (2, 13, 0)
-    assert _edits._version_tuple("3.16.0.dev2026") == (3, 16, 0)
-    assert _edits._version_tuple("3.15.1rc1") == (3, 15, 1)
+    assert _versions._version_tuple("2.13.0+cpu") == (2, 13, 0)
+    assert _versions._version_tuple("3.16.0.dev2026") == (3, 16, 0)
+    assert _versions._version_tuple("3.15.1rc1") == (3, 15, 1)
 
 
 def test_upstreaming_lists_every_edit():
@@ -291,8 +292,8 @@ def test_a_keras_outside_the_range_fails_before_the_overlay(
 ):
     """An untested 3.16 keras meets the version error, not the overlay's
     imports."""
-    from keras_dtensor import _edits
     from keras_dtensor import _finder
+    from keras_dtensor import _versions
 
     package = tmp_path / "keras"
     (package / "src").mkdir(parents=True)
@@ -303,9 +304,9 @@ def test_a_keras_outside_the_range_fails_before_the_overlay(
     fake = type(sys)("keras")
     fake.__file__ = str(package / "__init__.py")
     monkeypatch.setitem(sys.modules, "keras", fake)
-    assert _edits.installed_keras_version() == "3.16.0.dev2026010100"
-    with pytest.raises(_edits.UnsupportedVersionError) as error:
-        _edits.check_installed_keras_version()
+    assert _versions.installed_keras_version() == "3.16.0.dev2026010100"
+    with pytest.raises(_versions.UnsupportedVersionError) as error:
+        _versions.check_installed_keras_version()
     assert "keras>=3.15.1,<3.16" in str(error.value)
     assert "keras-nightly 3.16.0.dev2026102704" in str(error.value)
     assert "keras==3.16.0.dev2026010100" in str(error.value)
@@ -313,7 +314,7 @@ def test_a_keras_outside_the_range_fails_before_the_overlay(
     (package / "src" / "version.py").write_text(
         '__version__ = "3.16.0.dev2026102704"\n'
     )
-    _edits.check_installed_keras_version()
+    _versions.check_installed_keras_version()
 
     checks = []
     finder = _finder.KerasOverlayFinder(
@@ -330,10 +331,10 @@ def test_a_keras_outside_the_range_fails_before_the_overlay(
 
 def test_the_installed_keras_version_is_read_from_its_source():
     from keras.src.version import __version__
-    from keras_dtensor import _edits
+    from keras_dtensor import _versions
 
-    assert _edits.installed_keras_version() == __version__
-    _edits.check_installed_keras_version()
+    assert _versions.installed_keras_version() == __version__
+    _versions.check_installed_keras_version()
 
 
 def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):
@@ -381,24 +382,24 @@ def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):
 def test_renamed_names_get_their_old_names_back():
     import types
 
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     trainer = types.ModuleType("keras.src.backend.torch.trainer")
     renamed = type("Trainer", (), {})
     trainer.Trainer = renamed
-    _edits.edit_renamed_names(trainer)
+    _nightly_edits.edit_renamed_names(trainer)
     assert trainer.TorchTrainer is renamed
     # A module that has the old name keeps it.
     both = types.ModuleType("keras.src.trainers.trainer")
     both.Trainer, both.BaseTrainer = object, int
-    _edits.edit_renamed_names(both)
+    _nightly_edits.edit_renamed_names(both)
     assert both.Trainer is object
 
 
 def test_renamed_methods_get_their_old_names_back():
     import types
 
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     trainer = types.ModuleType("keras.src.backend.torch.trainer")
 
@@ -407,7 +408,7 @@ def test_renamed_methods_get_their_old_names_back():
             return "compiled?"
 
     trainer.Trainer = Trainer
-    _edits.edit_renamed_names(trainer)
+    _nightly_edits.edit_renamed_names(trainer)
     assert trainer.TorchTrainer is Trainer
     assert Trainer()._should_torch_compile() == "compiled?"
 
@@ -422,7 +423,7 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
 
     import keras
     from keras.src.distribution import distribution_lib as keras_distribution
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     built = []
 
@@ -447,9 +448,9 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     trainer.TorchTrainer = Trainer
     core = types.ModuleType("core")
     core.Variable = Variable
-    _edits.edit_trainer_skips_ddp_under_distribution(trainer)
-    _edits.edit_trainer_metrics_not_reduced_under_distribution(trainer)
-    _edits.edit_variable_skips_upstream_distribution(core)
+    _nightly_edits.edit_trainer_skips_ddp_under_distribution(trainer)
+    _nightly_edits.edit_trainer_metrics_not_reduced_under_distribution(trainer)
+    _nightly_edits.edit_variable_skips_upstream_distribution(core)
     assert Variable()._initialize_distributed(None) is None
     monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
     Trainer()._initialize_ddp()
@@ -470,9 +471,9 @@ def test_later_keras_ddp_and_variable_paths_are_replaced(monkeypatch):
     plain = types.ModuleType("plain")
     plain.TorchTrainer = type("TorchTrainer", (), {})
     plain.Variable = type("Variable", (), {})
-    _edits.edit_trainer_skips_ddp_under_distribution(plain)
-    _edits.edit_trainer_metrics_not_reduced_under_distribution(plain)
-    _edits.edit_variable_skips_upstream_distribution(plain)
+    _nightly_edits.edit_trainer_skips_ddp_under_distribution(plain)
+    _nightly_edits.edit_trainer_metrics_not_reduced_under_distribution(plain)
+    _nightly_edits.edit_variable_skips_upstream_distribution(plain)
     assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
     assert "get_metrics_result" not in vars(plain.TorchTrainer)
     assert not hasattr(plain.Variable, "_initialize_distributed")
@@ -485,7 +486,7 @@ def test_adapters_are_created_without_auto_sharding():
     import types
 
     from keras.src.distribution import distribution_lib as api
-    from keras_dtensor import _edits
+    from keras_dtensor import _step_edits
 
     seen = []
 
@@ -497,7 +498,7 @@ def test_adapters_are_created_without_auto_sharding():
     module = types.ModuleType("data_adapters")
     module.get_data_adapter = get_data_adapter
     module.is_tf_dataset = lambda x: False
-    _edits.edit_data_adapter_auto_shard(module)
+    _step_edits.edit_data_adapter_auto_shard(module)
     mesh = api.DeviceMesh((1,), ("batch",), ["cpu:0"])
     distribution = api.DataParallel(device_mesh=mesh)
     distribution._is_multi_process = True
@@ -521,12 +522,12 @@ def test_later_keras_batches_stay_global(monkeypatch):
     import torch
 
     from keras.src.distribution import distribution_lib as keras_distribution
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     trainer = types.ModuleType("trainer")
     trainer._distribute_data = lambda data, layouts=None: ("upstream", data)
     trainer._gather_non_batch_axes = lambda data: ("own rows", data)
-    _edits.edit_trainer_batches_stay_global(trainer)
+    _nightly_edits.edit_trainer_batches_stay_global(trainer)
     monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
     assert trainer._distribute_data(1) == ("upstream", 1)
     monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
@@ -535,7 +536,7 @@ def test_later_keras_batches_stay_global(monkeypatch):
     assert trainer._gather_non_batch_axes("outputs") == "outputs"
     # Keras 3.15.1's trainer module has neither function.
     plain = types.ModuleType("plain")
-    _edits.edit_trainer_batches_stay_global(plain)
+    _nightly_edits.edit_trainer_batches_stay_global(plain)
     assert not hasattr(plain, "_distribute_data")
     assert not hasattr(plain, "_gather_non_batch_axes")
 
@@ -547,7 +548,7 @@ def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
     import types
 
     from keras.src.distribution import distribution_lib as keras_distribution
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     class Adapter:
         def get_torch_dataloader(self):
@@ -564,7 +565,7 @@ def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
 
     trainer = types.ModuleType("trainer")
     trainer.TorchEpochIterator = TorchEpochIterator
-    _edits.edit_epoch_iterator_keeps_torch_dataloader(trainer)
+    _nightly_edits.edit_epoch_iterator_keeps_torch_dataloader(trainer)
     monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
     assert TorchEpochIterator()._get_iterator() == "numpy iterator"
     monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
@@ -575,7 +576,7 @@ def test_later_keras_epoch_iterator_keeps_the_dataloader(monkeypatch):
         "TorchEpochIterator", (), {"_get_iterator": lambda self: "upstream"}
     )
     upstream = plain.TorchEpochIterator._get_iterator
-    _edits.edit_epoch_iterator_keeps_torch_dataloader(plain)
+    _nightly_edits.edit_epoch_iterator_keeps_torch_dataloader(plain)
     assert plain.TorchEpochIterator._get_iterator is upstream
 
 
@@ -585,7 +586,7 @@ def test_later_keras_ddp_without_distribution_is_upstreams(monkeypatch):
     import types
 
     from keras.src.distribution import distribution_lib as keras_distribution
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     built = []
 
@@ -597,13 +598,13 @@ def test_later_keras_ddp_without_distribution_is_upstreams(monkeypatch):
 
     trainer = types.ModuleType("trainer")
     trainer.TorchTrainer = Trainer
-    _edits.edit_trainer_skips_ddp_under_distribution(trainer)
-    _edits.edit_trainer_no_ddp_without_distribution(trainer)
+    _nightly_edits.edit_trainer_skips_ddp_under_distribution(trainer)
+    _nightly_edits.edit_trainer_no_ddp_without_distribution(trainer)
     for no_ddp in (None, "1"):
         if no_ddp is None:
-            monkeypatch.delenv(_edits.NO_DDP_ENV_VAR, raising=False)
+            monkeypatch.delenv(_nightly_edits.NO_DDP_ENV_VAR, raising=False)
         else:
-            monkeypatch.setenv(_edits.NO_DDP_ENV_VAR, no_ddp)
+            monkeypatch.setenv(_nightly_edits.NO_DDP_ENV_VAR, no_ddp)
         for distribution in (None, object()):
             monkeypatch.setattr(
                 keras_distribution, "distribution", lambda d=distribution: d
@@ -612,7 +613,7 @@ def test_later_keras_ddp_without_distribution_is_upstreams(monkeypatch):
     assert built == ["ddp"]
     plain = types.ModuleType("plain")
     plain.TorchTrainer = type("TorchTrainer", (), {})
-    _edits.edit_trainer_no_ddp_without_distribution(plain)
+    _nightly_edits.edit_trainer_no_ddp_without_distribution(plain)
     assert not hasattr(plain.TorchTrainer, "_initialize_ddp")
 
 
@@ -623,7 +624,7 @@ def test_later_keras_compiles_under_every_distribution(monkeypatch):
     import types
 
     from keras.src.distribution import distribution_lib as keras_distribution
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     class Trainer:
         jit_compile = True
@@ -634,8 +635,8 @@ def test_later_keras_compiles_under_every_distribution(monkeypatch):
 
     trainer = types.ModuleType("keras.src.backend.torch.trainer")
     trainer.Trainer = Trainer
-    _edits.edit_renamed_names(trainer)
-    _edits.edit_trainer_compiles_under_every_distribution(trainer)
+    _nightly_edits.edit_renamed_names(trainer)
+    _nightly_edits.edit_trainer_compiles_under_every_distribution(trainer)
     monkeypatch.setattr(keras_distribution, "distribution", lambda: None)
     assert Trainer()._should_torch_compile() == "upstream's rule"
     monkeypatch.setattr(keras_distribution, "distribution", lambda: object())
@@ -649,44 +650,9 @@ def test_later_keras_compiles_under_every_distribution(monkeypatch):
     plain.TorchTrainer = type(
         "TorchTrainer", (), {"_should_torch_compile": lambda self: "3.15.1"}
     )
-    _edits.edit_trainer_compiles_under_every_distribution(plain)
+    _nightly_edits.edit_trainer_compiles_under_every_distribution(plain)
     assert plain.TorchTrainer()._should_torch_compile() == "3.15.1"
     assert not hasattr(plain.TorchTrainer, "_use_torch_compile")
-
-
-def test_attention_placements_fit_local_shards():
-    """Query, key and value keep batch and heads splits (the mask too,
-    where it is not broadcast there); anything else is replicated."""
-    import types
-
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import Partial
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    from keras_dtensor import _edits
-
-    def placements(query_placements, mask_shape):
-        query = types.SimpleNamespace(placements=query_placements)
-        return _edits._attention_placements(query, mask_shape)
-
-    R = Replicate()
-    assert placements((Shard(2), Partial()), (4, 1, 8, 8)) == (
-        (Shard(2), R),
-        (R, R),
-    )
-    assert placements((Shard(0), Shard(2)), (4, 4, 8, 8)) == (
-        (Shard(0), Shard(2)),
-        (Shard(0), Shard(1)),
-    )
-    # A sequence split, and a strided one, are replicated.
-    assert placements((Shard(1),), (4, 1, 8, 8)) == ((R,), (R,))
-    strided = _StridedShard(2, split_factor=2)
-    assert placements((strided,), None) == ((R,), (R,))
-    # Masks broadcast from the right: (heads, seq, seq), and no mask.
-    assert placements((Shard(0),), (4, 8, 8)) == ((Shard(0),), (R,))
-    assert placements((Shard(2),), (4, 8, 8)) == ((Shard(2),), (Shard(0),))
-    assert placements((Shard(2),), None) == ((Shard(2),), (R,))
 
 
 def test_later_keras_attention_gets_inputs_laid_out():
@@ -702,7 +668,7 @@ def test_later_keras_attention_gets_inputs_laid_out():
     from torch.distributed.tensor import distribute_tensor
 
     import keras
-    from keras_dtensor import _edits
+    from keras_dtensor import _nightly_edits
 
     calls = []
 
@@ -712,7 +678,7 @@ def test_later_keras_attention_gets_inputs_laid_out():
 
     nn = types.ModuleType("nn")
     nn.dot_product_attention = dot_product_attention
-    _edits.edit_attention_inputs_fit_local_shards(nn)
+    _nightly_edits.edit_attention_inputs_fit_local_shards(nn)
     plain = torch.ones((2, 3, 2, 4))
     assert nn.dot_product_attention(plain, plain, plain, scale=0.5) == (
         "attention"

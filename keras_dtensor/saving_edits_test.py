@@ -13,7 +13,7 @@ import pytest
 
 import keras
 from keras.src.saving import saving_lib
-from keras_dtensor import _edits
+from keras_dtensor import _edit_support
 from keras_dtensor import _saving_edits
 
 
@@ -128,7 +128,7 @@ def test_makedirs_is_upstream_without_distribution(tmp_path):
     ],
 )
 def test_edits_leave_other_backends_alone(edit, monkeypatch):
-    monkeypatch.setattr(_edits, "_is_torch_backend", lambda: False)
+    monkeypatch.setattr(_edit_support, "is_torch_backend", lambda: False)
     module = types.SimpleNamespace()
     edit(module)
     assert vars(module) == {}

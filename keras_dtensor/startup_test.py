@@ -143,5 +143,5 @@ def test_import_after_keras_arms_at_once():
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["finders"][0] == "KerasOverlayFinder"
     assert "KerasImportHook" not in result["finders"]
-    assert result["edited"] == "keras_dtensor._edits"
+    assert result["edited"] == "keras_dtensor._variable_edits"
     assert result["overlay"].startswith(os.path.join(REPO, "keras") + os.sep)

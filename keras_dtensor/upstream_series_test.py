@@ -11,7 +11,10 @@ import re
 
 from keras_dtensor import _edits
 from keras_dtensor import _keras_hub_edits
+from keras_dtensor import _nightly_edits
 from keras_dtensor import _saving_edits
+from keras_dtensor import _step_edits
+from keras_dtensor import _variable_edits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +45,14 @@ def load_series_script():
 
 def edit_names():
     names = set()
-    for module in (_edits, _saving_edits, _keras_hub_edits):
+    for module in (
+        _edits,
+        _variable_edits,
+        _step_edits,
+        _nightly_edits,
+        _saving_edits,
+        _keras_hub_edits,
+    ):
         names.update(n for n in vars(module) if n.startswith("edit_"))
     return names
 

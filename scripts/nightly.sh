@@ -15,7 +15,7 @@
 #   scripts/nightly.sh integration_tests/training_parity_test.py
 # It prints one line per test file: PASS or FAIL with the counts.
 #
-# The version guard (keras_dtensor/_edits.py: SUPPORTED_KERAS, and the
+# The version guard (keras_dtensor/_versions.py: SUPPORTED_KERAS, and the
 # keras-nightly versions the suite passed on, TESTED_KERAS_NIGHTLY) accepts
 # the pinned nightly once it is listed there: then this checkout is tested
 # as it is. A nightly it does not list yet (a newer pin, to be tested) is
@@ -102,9 +102,9 @@ guard_accepts() {
 import sys
 
 sys.path.insert(0, ".")
-from keras_dtensor import _edits  # noqa: E402
+from keras_dtensor import _versions  # noqa: E402
 
-sys.exit(not _edits.keras_version_supported(sys.argv[1]))
+sys.exit(not _versions.keras_version_supported(sys.argv[1]))
 EOF
 }
 
@@ -121,7 +121,7 @@ patched_tree() {
             tar -x -C "$TREE" || return 1
     fi
     sed -i "s/^TESTED_KERAS_NIGHTLY = (/TESTED_KERAS_NIGHTLY = (\"$version\", /" \
-        "$TREE/keras_dtensor/_edits.py"
+        "$TREE/keras_dtensor/_versions.py"
     guard_accepts "$TREE" "$version"
 }
 
