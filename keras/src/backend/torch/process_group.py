@@ -20,11 +20,14 @@ every process calls in the same order. Tearing down issues none.
 import atexit
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
+# How long `destroy_process_group` lets gloo's threads drop their works.
+WORKER_DRAIN_SECONDS = 0.2
 DEFAULT_TIMEOUT_SECONDS = 600
 
 # Whether `initialize_rng` ran: variables are created from the shared seed.
@@ -209,8 +212,20 @@ def destroy_process_group():
     process raised and the others wait in a collective, the others fail
     at its timeout, then tear down.
     """
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    # Gloo's worker threads outlive `destroy_process_group` (they stop
+    # with the group's C++ object, freed with its last reference) and drop
+    # each work they ran after marking it done. A work dropped once the
+    # interpreter finalizes needs the GIL for its tensors, and the thread
+    # is ended under a noexcept frame: "terminate called without an
+    # active exception" (a core read with gdb: `runLoop` ->
+    # `~AsyncAllgatherCoalescedWork` -> `take_gil` -> `pthread_exit`;
+    # pytorch#179291). Torch offers no wait for those drops; a pause with
+    # the GIL released lets the threads finish them. It can go once
+    # destroying a gloo group stops its threads.
+    time.sleep(WORKER_DRAIN_SECONDS)
 
 
 def local_cuda_device(rank):
