@@ -1,6 +1,8 @@
 """Tests of the process-group set-up that need no second process."""
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -49,3 +51,47 @@ def test_a_host_alone_takes_master_port():
     with mock.patch.dict("os.environ", clear=True):
         with pytest.raises(ValueError, match="or a host with MASTER_PORT"):
             process_group.init_process_group("10.0.0.7", 1, 0)
+
+
+def test_the_groups_are_destroyed_once_at_exit():
+    """A process whose group `ensure_process_group` made, with the hook
+    registered twice, destroys its groups once when it ends."""
+    script = (
+        "import torch.distributed as dist\n"
+        "from keras.src.backend.torch import process_group\n"
+        "destroy = dist.destroy_process_group\n"
+        "def traced():\n"
+        "    print('destroyed', flush=True)\n"
+        "    destroy()\n"
+        "dist.destroy_process_group = traced\n"
+        "process_group.ensure_process_group()\n"
+        "process_group.destroy_at_exit()\n"
+        "print('initialized', dist.is_initialized(), flush=True)\n"
+    )
+    environment = dict(os.environ, KERAS_BACKEND="torch")
+    environment.pop("WORLD_SIZE", None)
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.split() == ["initialized", "True", "destroyed"]
+
+
+def test_the_teardown_destroys_the_groups_once():
+    calls = []
+    with mock.patch.object(process_group, "WORKER_DRAIN_SECONDS", 0):
+        with mock.patch.object(process_group.dist, "is_initialized") as up:
+            with mock.patch.object(
+                process_group.dist,
+                "destroy_process_group",
+                lambda: calls.append("destroyed"),
+            ):
+                up.return_value = True
+                process_group.destroy_process_group()
+                up.return_value = False
+                process_group.destroy_process_group()
+    assert calls == ["destroyed"]
