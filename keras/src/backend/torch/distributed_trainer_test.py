@@ -1,36 +1,20 @@
 """Single-process tests of `distributed_trainer`.
 
 A one-process mesh makes every value a DTensor, as on many processes.
-Compiling with inductor takes minutes on CPU, so these tests stand in
-`aot_eager` for it: AOT autograd (where DTensor's missing tangents and
-aliased outputs fail) runs as with inductor. Multi-process runs with
-inductor are in `integration_tests/jit_compile_test.py`.
+Compiled steps stand in `aot_eager` for inductor
+(`compiled_step_backend_test.inductor_stand_in`); multi-process runs
+with inductor are in `integration_tests/jit_compile_test.py`.
 """
-
-import copy
-import copyreg
-import functools
-import hashlib
-import inspect
-import pickle
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from torch._dynamo.backends import registry
-from torch._inductor import config as inductor_config
-from torch._inductor.codecache import FxGraphCachePickler
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import distribute_tensor
 
 import keras
+from keras.src.backend.torch import compiled_step_backend
+from keras.src.backend.torch import compiled_step_backend_test
 from keras.src.backend.torch import distributed_trainer
-from keras.src.backend.torch import distribution_lib
-from keras.src.backend.torch.trainer import TorchTrainer
 
 STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
@@ -43,45 +27,9 @@ def distribution():
     keras.distribution.set_distribution(None)
 
 
-class CompileCalls(list):
-    runs = 0
-
-
 @pytest.fixture
 def inductor_calls(monkeypatch):
-    """Replaces inductor by `aot_eager`; records the AOT autograd cache
-    setting, the post-grad custom pass and the pickle reduction of
-    `DeviceMesh` of each call, and counts the runs of the graphs it
-    compiled (`calls.runs`)."""
-    calls = CompileCalls()
-    upstream_lookup = registry.lookup_backend
-
-    def aot_eager(graph_module, example_inputs, inner_compile=None):
-        calls.append(
-            (
-                torch._functorch.config.enable_autograd_cache,
-                inductor_config.post_grad_custom_post_pass,
-                copyreg.dispatch_table.get(DeviceMesh),
-                inner_compile,
-            )
-        )
-        compiled = upstream_lookup("aot_eager")(graph_module, example_inputs)
-
-        @functools.wraps(compiled)
-        def run(*args):
-            calls.runs += 1
-            return compiled(*args)
-
-        return run
-
-    monkeypatch.setattr(
-        registry,
-        "lookup_backend",
-        lambda name: aot_eager if name == "inductor" else upstream_lookup(name),
-    )
-    torch._dynamo.reset()
-    yield calls
-    torch._dynamo.reset()
+    yield from compiled_step_backend_test.inductor_stand_in(monkeypatch)
 
 
 def make_model(jit_compile, train_step=None):
@@ -115,50 +63,6 @@ def is_compiled_for_distribution(function):
         isinstance(function, distributed_trainer.DistributedStepFunction)
         and function.compiled_for_distribution
     )
-
-
-def test_upstream_train_step_is_a_copied_one():
-    source = inspect.getsource(TorchTrainer.train_step)
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    assert digest == distributed_trainer.installed_train_step_sha256()
-    assert digest in distributed_trainer.TRAIN_STEP_COPIES, (
-        "The installed keras changed `TorchTrainer.train_step`. Copy it "
-        "into `distributed_trainer` (keeping `y_pred` detached before the "
-        "gradients and backward called through `torch.compiler.disable`), "
-        f"and add the copy to `TRAIN_STEP_COPIES` under {digest!r}."
-    )
-
-
-def test_the_installed_train_steps_copy_is_used(monkeypatch):
-    digest = distributed_trainer.installed_train_step_sha256()
-    calls = []
-
-    def copy(trainer, eager=False):
-        calls.append((trainer, eager))
-        return "the copy's step"
-
-    monkeypatch.setitem(distributed_trainer.TRAIN_STEP_COPIES, digest, copy)
-    step = distributed_trainer.train_step_with_detached_predictions("model")
-    assert step == "the copy's step" and calls == [("model", False)]
-    distributed_trainer.train_step_with_detached_predictions(
-        "model", eager=True
-    )
-    assert calls[-1] == ("model", True)
-
-
-def test_an_unknown_train_step_runs_as_installed_with_a_warning(
-    monkeypatch,
-):
-    monkeypatch.setattr(
-        distributed_trainer, "installed_train_step_sha256", lambda: "f" * 64
-    )
-    model = make_model(jit_compile=False)
-    with pytest.warns(UserWarning) as warned:
-        step = distributed_trainer.train_step_with_detached_predictions(model)
-    assert step == model.train_step
-    (message,) = [str(w.message) for w in warned]
-    assert f"keras {keras.__version__}'s" in message
-    assert "f" * 64 in message
 
 
 def test_without_distribution_step_functions_are_upstream():
@@ -215,7 +119,7 @@ def test_only_keras_own_compiled_train_step_clears_gradients(monkeypatch):
         return lambda data: f"logs of {data}"
 
     monkeypatch.setattr(
-        distributed_trainer, "compile_step_function", compile_step_function
+        compiled_step_backend, "compile_step_function", compile_step_function
     )
     cleared = []
     models = {
@@ -306,41 +210,6 @@ def test_step_on_data_keeps_a_models_own_train_step(distribution):
     assert calls == ["batch"]
 
 
-@pytest.mark.parametrize(
-    "jit_compile, eager", [(False, True), (True, False), (True, True)]
-)
-def test_detached_train_step_matches_upstream(distribution, jit_compile, eager):
-    """Eager calls of both; with `jit_compile=True` a later keras computes
-    the gradients with `torch.autograd.grad` rather than backward. The
-    copy made for eager steps (`eager=True`) clears and lists the
-    gradients outside the step's mode."""
-    x = np.random.RandomState(0).normal(size=(8, 4)).astype("float32")
-    y = np.arange(8) % 3
-    results = []
-    for detached in (False, True):
-        model = make_model(jit_compile=jit_compile)
-        if detached:
-            step = distributed_trainer.train_step_with_detached_predictions(
-                model, eager=eager
-            )
-        else:
-            step = model.train_step
-        data = distribution_lib.distribute_data((x, y), distribution)
-        with distribution_lib.replicate_created_tensors(
-            distribution.device_mesh
-        ):
-            logs = step(data)
-        logs = {k: keras.ops.convert_to_numpy(v) for k, v in logs.items()}
-        results.append((logs, model.get_weights()))
-    (logs, weights), (detached_logs, detached_weights) = results
-    assert set(logs) == set(detached_logs) == {"loss", "accuracy"}
-    for name, value in logs.items():
-        np.testing.assert_array_equal(detached_logs[name], value)
-    assert len(weights) == len(detached_weights) == 4
-    for weight, detached_weight in zip(weights, detached_weights):
-        np.testing.assert_array_equal(weight, detached_weight)
-
-
 def intercepted_functions(monkeypatch):
     """Records every function the step's torch function mode intercepts."""
     from keras.src.backend.torch import created_tensors
@@ -390,199 +259,3 @@ def test_eager_train_step_handles_gradients_outside_the_mode(
         np.testing.assert_array_equal(copy_logs[name], value)
     for weight, copy_weight in zip(weights, copy_weights):
         np.testing.assert_array_equal(copy_weight, weight)
-
-
-def capture_graphs(graphs):
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    return backend
-
-
-def test_aliased_dtensor_outputs_are_cloned(distribution):
-    mesh = distribution.device_mesh.backend_mesh
-    x = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
-
-    def f(x):
-        y = x + 1
-        return y, y.t(), x.view(-1), x * 2
-
-    graphs = []
-    torch._dynamo.reset()
-    torch.compile(f, backend=capture_graphs(graphs), dynamic=False)(x)
-    (graph_module,) = graphs
-    # `y` and its transpose share storage, `x.view` shares the input's.
-    replaced = distributed_trainer.clone_aliased_dtensor_outputs(graph_module)
-    assert replaced == [0, 1, 2]
-    outputs = graph_module(x)
-    storages = [o.to_local().untyped_storage().data_ptr() for o in outputs]
-    storages.append(x.to_local().untyped_storage().data_ptr())
-    assert len(set(storages)) == len(storages)
-    for output, expected in zip(outputs, f(x)):
-        assert isinstance(output, DTensor)
-        np.testing.assert_array_equal(
-            output.full_tensor().numpy(), expected.full_tensor().numpy()
-        )
-    assert distributed_trainer.clone_aliased_dtensor_outputs(graph_module) == []
-
-
-def test_backend_keys_the_autograd_cache_by_process_groups(
-    distribution, inductor_calls
-):
-    mesh = distribution.device_mesh.backend_mesh
-    x = distribute_tensor(torch.ones(2, 3), mesh, [Replicate()])
-
-    def f(x):
-        y = x * 3
-        return y, y.t()
-
-    compiled = distributed_trainer.compile_step_function(f)
-    y, y_t = compiled(x)
-    ((cache_enabled, keyed, mesh_reduction, inner_compile),) = inductor_calls
-    assert cache_enabled is True
-    assert mesh_reduction is distributed_trainer._reduce_mesh_without_hash
-    assert (
-        inner_compile
-        is distributed_trainer.compile_with_meshes_pickled_without_hash
-    )
-    assert DeviceMesh not in copyreg.dispatch_table
-    assert isinstance(keyed, distributed_trainer.ProcessGroupCacheKey)
-    assert keyed.uuid() == (
-        None,
-        distributed_trainer.process_group_cache_key(),
-        distributed_trainer.backend_sources_digest(),
-    )
-    assert inductor_config.post_grad_custom_post_pass is None
-    np.testing.assert_array_equal(y_t.full_tensor().numpy(), np.full((3, 2), 3))
-
-
-def test_process_group_cache_key_names_every_group(distribution):
-    rank, groups = distributed_trainer.process_group_cache_key()
-    assert rank == dist.get_rank() == 0
-    names = dict(groups)
-    assert names[dist.group.WORLD.group_name] == (0,)
-    mesh = distribution.device_mesh.backend_mesh
-    assert names[mesh.get_group(0).group_name] == (0,)
-    new_group = dist.new_group([0])
-    after = dict(distributed_trainer.process_group_cache_key()[1])
-    assert after == {**names, new_group.group_name: (0,)}
-
-
-def test_cache_keys_of_a_mesh_do_not_depend_on_its_cached_hash(
-    distribution,
-):
-    mesh = distribution.device_mesh.backend_mesh
-    hash(mesh)
-    twin = copy.copy(mesh)
-    twin._hash = mesh._hash + 1
-    graph_module = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-
-    def cache_key(value):
-        return FxGraphCachePickler(graph_module).get_hash(value)
-
-    # torch's own reduction pickles the cached hash, which changes from
-    # one process to the next.
-    assert cache_key(mesh) != cache_key(twin)
-    renamed = copy.copy(mesh)
-    renamed._mesh_dim_names = ("other",)
-    # A root mesh and a flattened mesh refer to each other.
-    root, flattened = copy.copy(mesh), copy.copy(mesh)
-    root._flatten_mapping = {"flat": flattened}
-    flattened._root_mesh = root
-    with distributed_trainer.device_meshes_pickled_without_hash():
-        assert cache_key(mesh) == cache_key(twin)
-        # What the hash is computed from is still in the key.
-        assert cache_key(mesh) != cache_key(renamed)
-        restored = pickle.loads(pickle.dumps(mesh))
-        restored_root = pickle.loads(pickle.dumps(root))
-    assert DeviceMesh not in copyreg.dispatch_table
-    assert restored == mesh and hash(restored) == hash(mesh)
-    assert restored.get_group(0) is mesh.get_group(0)
-    restored_flattened = restored_root._flatten_mapping["flat"]
-    assert restored_flattened._root_mesh is restored_root
-
-
-def test_inner_compile_pickles_meshes_without_their_hash(monkeypatch):
-    from torch._inductor import compile_fx
-
-    def recording_compile(*args, **kwargs):
-        return args, kwargs, copyreg.dispatch_table.get(DeviceMesh)
-
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording_compile)
-    args, kwargs, reduction = (
-        distributed_trainer.compile_with_meshes_pickled_without_hash(
-            "graph", ["inputs"], cudagraphs=None
-        )
-    )
-    assert (args, kwargs) == (("graph", ["inputs"]), {"cudagraphs": None})
-    assert reduction is distributed_trainer._reduce_mesh_without_hash
-    assert DeviceMesh not in copyreg.dispatch_table
-
-
-class RecordingPass(CustomGraphPass):
-    def __init__(self, uuid):
-        self.graphs = []
-        self._uuid = uuid
-
-    def __call__(self, graph):
-        self.graphs.append(graph)
-
-    def uuid(self):
-        return self._uuid
-
-
-def test_cache_key_wraps_the_configured_pass(distribution):
-    configured = RecordingPass("theirs")
-    with inductor_config.patch(post_grad_custom_post_pass=configured):
-        with distributed_trainer.aot_autograd_cache_keyed_by_process_groups():
-            keyed = inductor_config.post_grad_custom_post_pass
-            assert torch._functorch.config.enable_autograd_cache is True
-        assert inductor_config.post_grad_custom_post_pass is configured
-    keyed("graph")
-    assert configured.graphs == ["graph"]
-    assert keyed.uuid()[0] == "theirs"
-    assert keyed.uuid()[1:] == (
-        distributed_trainer.process_group_cache_key(),
-        distributed_trainer.backend_sources_digest(),
-    )
-    # A pass that asks for no caching keeps asking.
-    assert (
-        distributed_trainer.ProcessGroupCacheKey(RecordingPass(None)).uuid()
-        is None
-    )
-
-
-def test_configured_plain_function_turns_the_autograd_cache_off(distribution):
-    def plain(graph):
-        pass
-
-    with inductor_config.patch(post_grad_custom_post_pass=plain):
-        with distributed_trainer.aot_autograd_cache_keyed_by_process_groups():
-            assert inductor_config.post_grad_custom_post_pass is plain
-            assert torch._functorch.config.enable_autograd_cache is False
-    assert torch._functorch.config.enable_autograd_cache is not False
-
-
-def test_output_that_backward_does_not_reach_gets_a_zero_tangent(
-    distribution, inductor_calls
-):
-    mesh = distribution.device_mesh.backend_mesh
-    weight = torch.nn.Parameter(
-        distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
-    )
-
-    def f(weight):
-        scaled = weight * 3
-        return scaled.sum(), scaled.tanh()
-
-    compiled = distributed_trainer.compile_step_function(f)
-    loss, unused = compiled(weight)
-    assert unused.requires_grad
-    # Backward from one of two differentiable outputs, as a train step
-    # does from the loss while its predictions go to the metrics.
-    loss.backward()
-    assert isinstance(weight.grad, DTensor)
-    np.testing.assert_array_equal(
-        weight.grad.full_tensor().numpy(), np.full((2, 3), 3.0)
-    )
