@@ -30,8 +30,23 @@ TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
 WORKER_DRAIN_SECONDS = 0.2
 DEFAULT_TIMEOUT_SECONDS = 600
 
-# Whether `initialize_rng` ran: variables are created from the shared seed.
-_SEED_SYNCHRONIZED = False
+
+class SharedSeed:
+    """Whether this process uses the job's random seed.
+
+    Attributes:
+        synchronized: whether `initialize_rng` ran: variables are created
+            from the shared seed.
+    """
+
+    def __init__(self):
+        self.synchronized = False
+
+
+# Per process, as the process group is. Not in keras's `global_state`:
+# that is per thread, and `clear_session` clears it, after which
+# `share_seed_once` would broadcast a seed again.
+_SHARED_SEED = SharedSeed()
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
@@ -54,8 +69,7 @@ def initialize_rng():
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
 
-    global _SEED_SYNCHRONIZED
-    _SEED_SYNCHRONIZED = True
+    _SHARED_SEED.synchronized = True
     if rng_utils.get_random_seed() is not None:
         return
     seed = torch.tensor(
@@ -77,7 +91,7 @@ def share_seed_once():
     created outside `initialize` (e.g. by `dist.init_process_group`);
     with a single process nothing is shared.
     """
-    if _SEED_SYNCHRONIZED:
+    if _SHARED_SEED.synchronized:
         return
     maybe_auto_initialize()
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -26,10 +26,28 @@ SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
 DEFAULT_SYNC_TIMEOUT_SECONDS = 60
 _KEY_PREFIX = "keras_io"
 
-# The number of coordinated calls made by this process so far, and the
-# operation of the last one. Every process makes the same calls in the same
-# order, so equal counts name one call.
-_CALLS = {"count": 0, "previous_operation": None}
+
+class CoordinatedCalls:
+    """The coordinated calls this process has made so far.
+
+    Every process makes the same calls in the same order, so equal counts
+    name one call.
+
+    Attributes:
+        count: how many calls this process has entered.
+        previous_operation: the operation of the last one, or None.
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.previous_operation = None
+
+
+# This process's calls, per process. Not in keras's `global_state`: that
+# is per thread (a save from another thread would count apart) and
+# `clear_session` clears it, while the call indices must stay in step
+# with the other processes'.
+_CALLS = CoordinatedCalls()
 
 
 class CollectiveCall:
@@ -111,7 +129,7 @@ def enter(operation, target=None):
     store = _store()
     rank = dist.get_rank()
     world_size = dist.get_world_size()
-    index = _CALLS["count"]
+    index = _CALLS.count
     key = _call_key(index)
     token = uuid.uuid4().hex if rank == 0 else ""
     call = CollectiveCall(key, operation, target, token, rank == 0)
@@ -132,10 +150,10 @@ def enter(operation, target=None):
             )
             store.delete_key(f"{key}/entered/{rank}")
             raise RuntimeError(message) from None
-    _CALLS["count"] += 1
+    _CALLS.count += 1
     call.token = store.get(f"{key}/entered/0").decode().rpartition("|")[2]
     _delete_call_keys(store, index - 1, rank)
-    _CALLS["previous_operation"] = operation
+    _CALLS.previous_operation = operation
     return call
 
 
@@ -305,7 +323,7 @@ def _delete_call_keys(store, index, rank):
         return
     key = _call_key(index)
     store.delete_key(f"{key}/entered/{rank}")
-    operation = _CALLS["previous_operation"]
+    operation = _CALLS.previous_operation
     if rank == 0 and operation is not None:
         for name in (f"count/{operation}", f"all/{operation}", "outcome"):
             store.delete_key(f"{key}/{name}")

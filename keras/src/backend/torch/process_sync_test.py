@@ -39,9 +39,7 @@ class Store:
 def store(monkeypatch):
     store = Store()
     monkeypatch.setattr(process_sync, "_store", lambda: store)
-    monkeypatch.setattr(
-        process_sync, "_CALLS", {"count": 0, "previous_operation": None}
-    )
+    monkeypatch.setattr(process_sync, "_CALLS", process_sync.CoordinatedCalls())
     monkeypatch.setenv(process_sync.SYNC_TIMEOUT_ENV_VAR, "0.2")
     monkeypatch.setattr(process_sync.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(process_sync, "is_multi_process", lambda: True)
@@ -65,7 +63,7 @@ def test_enter_returns_once_every_process_entered(store, monkeypatch):
     call = process_sync.enter("save_model", "m.keras")
     assert call.token == "abc"
     assert call.operation == "save_model"
-    assert process_sync._CALLS["count"] == 1
+    assert process_sync._CALLS.count == 1
 
 
 def test_process_zero_chooses_the_token(store, monkeypatch):
@@ -85,7 +83,7 @@ def test_enter_alone_fails_with_advice_and_withdraws(store, monkeypatch):
     assert "on every process" in message
     assert process_sync.SYNC_TIMEOUT_ENV_VAR in message
     # Withdrawn: the call index is free for the next call of every process.
-    assert process_sync._CALLS["count"] == 0
+    assert process_sync._CALLS.count == 0
     key = process_sync._call_key(0)
     assert not store.check([f"{key}/entered/0"])
     enter_as_other_rank(store, 1, "save_model")
@@ -104,7 +102,7 @@ def test_last_arrival_during_the_timeout_completes_the_call(store, monkeypatch):
     enter_as_other_rank(store, 1, "save_model")
     store.fail_waits = True
     call = process_sync.enter("save_model")
-    assert process_sync._CALLS["count"] == 1
+    assert process_sync._CALLS.count == 1
     assert call.operation == "save_model"
 
 
@@ -117,9 +115,7 @@ def play_call_as_rank(monkeypatch, rank, body, operation="save_model"):
         Whether this rank was the writer.
     """
     play_rank(monkeypatch, rank)
-    monkeypatch.setattr(
-        process_sync, "_CALLS", {"count": 0, "previous_operation": None}
-    )
+    monkeypatch.setattr(process_sync, "_CALLS", process_sync.CoordinatedCalls())
     with process_sync.process_zero_writes(operation, "m.keras") as call:
         body(call)
     return call.is_writer
