@@ -24,7 +24,7 @@ mesh, prints wrong sums on some ranks (24.0 or 88.0, depending on which
 rank's graph the entry holds) and fails on the others. With
 `TORCHINDUCTOR_AUTOGRAD_CACHE=0`, every run prints 56.0 everywhere
 (inductor's own cache is keyed on the lowered graph, group names
-included). `keras/src/backend/torch/distributed_trainer.py` adds the rank
+included). `keras/src/backend/torch/compile_cache_keys.py` adds the rank
 and the process groups to the key (`ProcessGroupCacheKey`).
 """
 

@@ -21,8 +21,9 @@ With torch 2.13.0 both plain runs print `autograd_cache_miss: 1` and a
 different `hash(mesh)`. With `fix`, which pickles the mesh without
 `_hash` (everything it is computed from is still pickled), the second
 run prints `autograd_cache_hit: 1`.
-`keras/src/backend/torch/distributed_trainer.py` does the same while its
-compile backend runs (`device_meshes_pickled_without_hash`).
+`keras/src/backend/torch/compile_cache_keys.py` does the same while the
+compile backend of distributed steps runs
+(`device_meshes_pickled_without_hash`).
 """
 
 import copyreg
