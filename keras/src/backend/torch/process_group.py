@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from keras.src.backend.torch import gloo_groups
+
 TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
 # How long `destroy_process_group` lets gloo's threads drop their works.
 WORKER_DRAIN_SECONDS = 0.2
@@ -150,13 +152,14 @@ def ensure_process_group():
     if launched_multi_process():
         init_process_group(None, None, None)
         return
-    dist.init_process_group(
-        backend="gloo",
-        store=dist.HashStore(),
-        rank=0,
-        world_size=1,
-        timeout=timeout(),
-    )
+    with gloo_groups.one_worker_thread():
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout(),
+        )
 
 
 def init_process_group(job_addresses, num_processes, process_id):
@@ -200,7 +203,9 @@ def init_process_group(job_addresses, num_processes, process_id):
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, **kwargs)
+    # Gloo's worker threads race on the group's status (`gloo_groups`).
+    with gloo_groups.one_worker_thread():
+        dist.init_process_group(backend=backend, **kwargs)
 
 
 def destroy_at_exit():
