@@ -228,8 +228,8 @@ def profiled_step(step):
 def dtensor_layers(model):
     """Names of the layers that ran on DTensors rather than locally.
 
-    A layer whose watched first call did not prove it local to each batch
-    shard runs on DTensors (`batch_local`); its sublayers are then watched
+    A layer whose checked first call did not prove it local to each batch
+    shard runs on DTensors (`batch_local`); its sublayers are then checked
     in turn.
     """
     from keras.src.backend.torch import batch_local
@@ -238,7 +238,7 @@ def dtensor_layers(model):
     return [
         layer.name
         for layer in layers
-        if None in batch_local._VERDICTS.get(layer, {}).values()
+        if None in batch_local.plans_of(layer).values()
     ]
 
 

@@ -537,8 +537,7 @@ def local_layer_names(model):
         layer.name
         for layer in layers
         if any(
-            verdict is not None
-            for verdict in batch_local._VERDICTS.get(layer, {}).values()
+            plan is not None for plan in batch_local.plans_of(layer).values()
         )
     )
 

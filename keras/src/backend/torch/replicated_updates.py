@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import local_call_checks
 
 
 def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
@@ -76,7 +76,7 @@ def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
         return upstream_apply(optimizer, grads, variables)
     local_grads = [None if g is None else g._local_tensor for g in grads]
     # Assigns to DTensor variables (`update_on_local_tensors`).
-    batch_local.note_effect()
+    local_call_checks.note_effect()
     return call_on_local_tensors(
         held, upstream_apply, optimizer, local_grads, variables
     )
@@ -141,7 +141,7 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     update = functools.partial(upstream_update, sample_weight=sample_weight)
     # Assigns to DTensor variables, as the update on DTensors does: a layer
     # call that makes it cannot run on local shards.
-    batch_local.note_effect()
+    local_call_checks.note_effect()
     return call_on_local_tensors(held, update, metric, values)
 
 

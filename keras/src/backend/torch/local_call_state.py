@@ -1,0 +1,115 @@
+"""The state that local layer calls (`batch_local`) keep, in two objects.
+
+- `step_state()`: this thread's `StepState`, the state of the step that
+  runs on it: how many local calls are running (nested ones count each),
+  how many steps whose backward pass accumulates into the variables are
+  running, the sharded values of the variables that a first call reads
+  unsharded, and how many effects (`local_call_checks.note_effect`) were
+  counted. Per thread, as torch's function modes are: a backward pass
+  that autograd runs on a device thread recomputes a checkpointed local
+  call with that thread's counts.
+- `caches()`: the process's `LocalCallCaches`: per layer its local-call
+  plans by signature, per DTensor output of a local call the local
+  tensor it computed, and per variable value the specs of its local
+  views' gradients. Per process, not in Keras's global state (per thread
+  and dropped by `clear_session`): a layer's plans hold for its life.
+  Weakly keyed: an entry goes with its layer or tensor; nothing is
+  stored on the tensors themselves.
+
+Contract: reading or changing this state issues no collective and runs
+no torch operator.
+"""
+
+import contextlib
+import threading
+import weakref
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class StepState(threading.local):
+    """The state of the steps running on this thread.
+
+    Attributes:
+        local_calls: the number of local calls running (nested calls
+            count each).
+        accumulating_steps: the number of steps running whose backward
+            pass accumulates into the variables
+            (`accumulating_into_variables`).
+        unsharded: id(variable) -> its sharded value, while a first call
+            reads the variable unsharded (`local_call_checks`).
+        effects: the number of effects counted so far
+            (`local_call_checks.note_effect`).
+    """
+
+    def __init__(self):
+        self.local_calls = 0
+        self.accumulating_steps = 0
+        self.unsharded = {}
+        self.effects = 0
+
+
+# One object; `threading.local` gives each thread its own attributes.
+_STEP_STATE = StepState()
+
+
+def step_state():
+    """This thread's `StepState`."""
+    return _STEP_STATE
+
+
+def running_locally():
+    """Whether a local call is running: its tensors are local shards."""
+    return _STEP_STATE.local_calls > 0
+
+
+def accumulating():
+    """Whether a step that accumulates into the variables is running."""
+    return _STEP_STATE.accumulating_steps > 0
+
+
+@contextlib.contextmanager
+def accumulating_into_variables():
+    """Marks a step whose backward pass accumulates into the variables.
+
+    Inside it, local calls read replicated variables as gradient leaves
+    (`local_gradients.gradient_leaf`), whose gradients autograd hands
+    to the buckets as soon as each is complete. For a step that calls
+    `loss.backward()` and reads the variables' gradients, as Keras's
+    train step does: `torch.autograd.grad` of a variable does not see its
+    gradient leaves.
+    """
+    _STEP_STATE.accumulating_steps += 1
+    try:
+        yield
+    finally:
+        _STEP_STATE.accumulating_steps -= 1
+
+
+class LocalCallCaches:
+    """What local calls keep from call to call.
+
+    Attributes:
+        plans: layer -> {call signature: `local_call_checks.LocalCallPlan`,
+            or None where the layer must run on DTensors}.
+        computed: DTensor output of a local call -> (the local tensor the
+            call computed, the DTensor's version counter when it was
+            made) (`local_calls.local_tensor_of`).
+        gradient_specs: replicated or sharded DTensor variable value read
+            through a local view -> {gradient placements: DTensorSpec of
+            the view's gradient} (`local_variables`).
+    """
+
+    def __init__(self):
+        self.plans = weakref.WeakKeyDictionary()
+        self.computed = WeakIdKeyDictionary()
+        self.gradient_specs = WeakIdKeyDictionary()
+
+
+# One object for the process, as layers are shared between threads.
+_CACHES = LocalCallCaches()
+
+
+def caches():
+    """The process's `LocalCallCaches`."""
+    return _CACHES
