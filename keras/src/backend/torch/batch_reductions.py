@@ -68,6 +68,7 @@ from torch.distributed.tensor._dtensor_spec import TensorMeta
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import local_calls
 
 # Reductions whose global value the local ones add up to (with a scale).
 _LOCAL_REDUCTIONS = ("sum", "sum_over_batch_size", "mean")
@@ -102,10 +103,10 @@ def reduce_on_local_tensors(
         )
     local_weight = None
     if sample_weight is not None:
-        local_weight = batch_local.local_tensor_of(sample_weight)
+        local_weight = local_calls.local_tensor_of(sample_weight)
     with created_tensors.suspended():
         local = upstream_reduce(
-            batch_local.local_tensor_of(values),
+            local_calls.local_tensor_of(values),
             sample_weight=local_weight,
             mask=None,
             reduction=reduction,
@@ -114,7 +115,7 @@ def reduce_on_local_tensors(
     plan = _LossPlan(values.device_mesh, reduction, *plan)
     if _NOTED_PLANS[0] is not None:
         _NOTED_PLANS[0].append(
-            plan if batch_local.computed_locally(values) else None
+            plan if local_calls.computed_locally(values) else None
         )
     return _global_value(local, plan)
 
@@ -219,15 +220,15 @@ def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
         return _call_noting_plan(
             loss, upstream_call, key, y_true, y_pred, sample_weight
         )
-    local_pred = batch_local.local_tensor_of(y_pred)
+    local_pred = local_calls.local_tensor_of(y_pred)
     if getattr(local_pred, "_keras_mask", None) is not None:
         return upstream_call(loss, y_true, y_pred, sample_weight)
     local_weight = None
     if sample_weight is not None:
-        local_weight = batch_local.local_tensor_of(sample_weight)
+        local_weight = local_calls.local_tensor_of(sample_weight)
     with created_tensors.suspended():
         local = upstream_call(
-            loss, batch_local.local_tensor_of(y_true), local_pred, local_weight
+            loss, local_calls.local_tensor_of(y_true), local_pred, local_weight
         )
     return _global_value(local, plan)
 

@@ -58,9 +58,10 @@ from keras.src import tree
 from keras.src.backend.common import KerasVariable
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import batch_distribution
-from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import local_call_checks
+from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import process_group
 from keras.src.backend.torch import sharded_initialization
 from keras.src.backend.torch import sharding_rules
@@ -310,7 +311,7 @@ def assign_to_variable(parameter, value):
         parameter: the DTensor parameter of a variable.
         value: a torch tensor, numpy array or DTensor of the same shape.
     """
-    batch_local.note_effect()
+    local_call_checks.note_effect()
     spec = parameter._spec
     replicated = (Replicate(),) * len(spec.placements)
     if not isinstance(value, DTensor) and spec.placements == replicated:
@@ -367,16 +368,16 @@ def distribute_tensor(tensor, layout):
             return x
         validate_layout(x.shape, layout, require_divisible=False)
         if isinstance(x, DTensor):
-            if not batch_local.keeps_local_values(x, layout):
-                batch_local.note_effect()
+            if not local_call_checks.keeps_local_values(x, layout):
+                local_call_checks.note_effect()
             if x.requires_grad and x.device_mesh == layout.mesh:
                 return _ConstrainLayout.apply(x, layout.mesh, layout.placements)
             return dtensor_layouts.relayout(x, layout)
-        if batch_local.running_locally():
+        if local_call_state.running_locally():
             # A local shard in a local call, whose first (watched) call
             # proved that this layout leaves local tensors as they are.
             return x
-        batch_local.note_effect()
+        local_call_checks.note_effect()
         return _dtensor_distribute(x, layout.mesh, layout.placements)
 
     return tree.map_structure(distribute_one, tensor)

@@ -29,10 +29,10 @@ import torch
 from torch.utils import _pytree
 
 from keras.src import tree
-from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import local_call_state
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 # SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in keras 3.15.1,
@@ -57,7 +57,7 @@ def train_step_with_detached_predictions(trainer, eager=False):
     no collective of the loss's own. An eager step (`eager=True`) also
     clears and lists the gradients with the step's torch function mode
     suspended (`outside_step_mode`), and runs in
-    `batch_local.accumulating_into_variables`: its `loss.backward()`
+    `local_call_state.accumulating_into_variables`: its `loss.backward()`
     accumulates into the variables, so layers running on local tensors
     read them as gradient leaves, whose gradients are reduced as soon as
     each is complete.
@@ -80,7 +80,7 @@ def train_step_with_detached_predictions(trainer, eager=False):
         return step
 
     def accumulating_step(data):
-        with batch_local.accumulating_into_variables():
+        with local_call_state.accumulating_into_variables():
             return step(data)
 
     return accumulating_step
