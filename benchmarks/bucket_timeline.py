@@ -56,9 +56,9 @@ class Timeline:
 
 def watch(timeline):
     """Patches backward and the gradient buckets to note their events."""
-    from keras.src.backend.torch import gradient_buckets
+    from keras.src.backend.torch import gradient_bucket
 
-    bucket_class = gradient_buckets._Bucket
+    bucket_class = gradient_bucket.Bucket
     launch, finish = bucket_class.launch, bucket_class.finish
     backward = torch.Tensor.backward
 
@@ -102,9 +102,9 @@ def parse_args(argv=None):
 
 def without_gradient_leaves():
     """Makes local calls read `_LocalView` views, as before 59e7922."""
-    from keras.src.backend.torch import gradient_buckets
+    from keras.src.backend.torch import local_gradients
 
-    gradient_buckets.gradient_leaf = lambda parameter, placements, local: None
+    local_gradients.gradient_leaf = lambda parameter, placements, local: None
 
 
 def timeline_of(workload, config, args, timeline):

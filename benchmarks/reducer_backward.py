@@ -7,7 +7,7 @@ leaf per trainable variable of a benchmark model (shapes from
 backward passes timed in the main thread's CPU time (the gloo work runs
 on threads of its own):
 
-- `buckets`: the leaves of `gradient_buckets.gradient_leaf`, as a Keras
+- `buckets`: the leaves of `local_gradients.gradient_leaf`, as a Keras
   train step reads replicated variables, reduced by the buckets, each
   parameter getting its reduced gradient as a DTensor;
 - `reducer`: persistent leaves reduced by torch's `Reducer` (the one DDP
@@ -40,7 +40,8 @@ from torch.distributed.tensor import Partial  # noqa: E402
 from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor import distribute_tensor  # noqa: E402
 
-from keras.src.backend.torch import gradient_buckets  # noqa: E402
+from keras.src.backend.torch import local_gradients  # noqa: E402
+from keras.src.backend.torch import reducer as bucket_reducer  # noqa: E402
 
 
 def parameter_shapes(workload):
@@ -57,7 +58,7 @@ def bucketed_parameters(shapes, mesh):
             distribute_tensor(torch.randn(shape), mesh, [Replicate()])
         )
         parameter.register_post_accumulate_grad_hook(
-            gradient_buckets.reduce_gradient_when_ready
+            bucket_reducer.reduce_gradient_when_ready
         )
         parameters.append(parameter)
     return parameters
@@ -66,14 +67,14 @@ def bucketed_parameters(shapes, mesh):
 def bucket_indices(leaves):
     """DDP's bucket assignment: in reverse order, a 1 MiB first bucket."""
     buckets, current, size = [], [], 0
-    cap = gradient_buckets.FIRST_BUCKET_CAP_BYTES
+    cap = bucket_reducer.FIRST_BUCKET_CAP_BYTES
     for index in reversed(range(len(leaves))):
         current.append(index)
         size += leaves[index].numel() * leaves[index].element_size()
         if size >= cap:
             buckets.append(current)
             current, size = [], 0
-            cap = gradient_buckets.DEFAULT_BUCKET_CAP_MB * 2**20
+            cap = bucket_reducer.DEFAULT_BUCKET_CAP_MB * 2**20
     if current:
         buckets.append(current)
     return buckets
@@ -87,8 +88,8 @@ def summed_buckets(group, bucket):
 
 def make_reducer(leaves, group):
     buckets = bucket_indices(leaves)
-    caps = [gradient_buckets.FIRST_BUCKET_CAP_BYTES] + [
-        gradient_buckets.DEFAULT_BUCKET_CAP_MB * 2**20
+    caps = [bucket_reducer.FIRST_BUCKET_CAP_BYTES] + [
+        bucket_reducer.DEFAULT_BUCKET_CAP_MB * 2**20
     ] * (len(buckets) - 1)
     reducer = dist.Reducer(
         leaves,
@@ -96,7 +97,7 @@ def make_reducer(leaves, group):
         caps,
         group,
         [False] * len(leaves),
-        gradient_buckets.DEFAULT_BUCKET_CAP_MB * 2**20,
+        bucket_reducer.DEFAULT_BUCKET_CAP_MB * 2**20,
         False,
         True,
     )
@@ -127,7 +128,7 @@ def main():
 
     bucketed = bucketed_parameters(shapes, mesh)
     bucket_leaves = [
-        gradient_buckets.gradient_leaf(p, (Partial(),), p._local_tensor)
+        local_gradients.gradient_leaf(p, (Partial(),), p._local_tensor)
         for p in bucketed
     ]
     reduced = bucketed_parameters(shapes, mesh)
@@ -153,7 +154,7 @@ def main():
         reducer.prepare_for_backward([])
         loss.backward()
         for parameter, leaf in zip(reduced, reducer_leaves):
-            parameter.grad = gradient_buckets._like_parameter(
+            parameter.grad = bucket_reducer.context().layouts.like_parameter(
                 leaf.grad, parameter
             )
         return time.thread_time() - start

@@ -54,7 +54,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: E402
 import keras  # noqa: E402
 import keras_dtensor as kd  # noqa: E402
 from keras import ops  # noqa: E402
-from keras.src.backend.torch import gradient_buckets  # noqa: E402
+from keras.src.backend.torch import gradient_bucket  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("dp", "tp", "fsdp")
@@ -199,7 +199,7 @@ def _bucket_gradients_counted(tracker):
     def label(tensor):
         tracker._update_and_maybe_create_winfos(tensor, _MemRefType.GRAD)
 
-    add, launch = gradient_buckets._Bucket.add, gradient_buckets._Bucket.launch
+    add, launch = gradient_bucket.Bucket.add, gradient_bucket.Bucket.launch
 
     def counted_add(bucket, parameter, local):
         add(bucket, parameter, local)
@@ -209,13 +209,13 @@ def _bucket_gradients_counted(tracker):
         launch(bucket)
         label(bucket.flat)
 
-    gradient_buckets._Bucket.add = counted_add
-    gradient_buckets._Bucket.launch = counted_launch
+    gradient_bucket.Bucket.add = counted_add
+    gradient_bucket.Bucket.launch = counted_launch
     try:
         yield
     finally:
-        gradient_buckets._Bucket.add = add
-        gradient_buckets._Bucket.launch = launch
+        gradient_bucket.Bucket.add = add
+        gradient_bucket.Bucket.launch = launch
 
 
 class _MallInfo2(ctypes.Structure):

@@ -189,7 +189,7 @@ CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 def step_events():
     """Records `_EVENTS` (cleared first) while the block runs."""
     from keras.src.backend.torch import batch_reductions
-    from keras.src.backend.torch import gradient_buckets
+    from keras.src.backend.torch import reducer
 
     def noting(event, function):
         def noted(*args, **kwargs):
@@ -200,11 +200,11 @@ def step_events():
         return noted
 
     _EVENTS.clear()
-    finish = gradient_buckets._finish_backward
+    finish = reducer._finish_backward
     all_reduce = batch_reductions._all_reduce_sum
     with (
         mock.patch.object(
-            gradient_buckets,
+            reducer,
             "_finish_backward",
             noting("gradients reduced", finish),
         ),

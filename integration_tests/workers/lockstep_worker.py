@@ -146,7 +146,7 @@ class SlowBackwardOnRankOne(keras.layers.Layer):
 
 
 def buckets():
-    from keras.src.backend.torch import gradient_buckets
+    from keras.src.backend.torch import gradient_bucket
 
     keras.distribution.initialize()
     keras.distribution.set_distribution(data_parallel())
@@ -160,7 +160,7 @@ def buckets():
     model.compile(optimizer="sgd", loss="mse")
     paths = {id(v.value): v.path for v in model.trainable_variables}
     sent = []
-    upstream_launch = gradient_buckets._Bucket.launch
+    upstream_launch = gradient_bucket.Bucket.launch
 
     def launch(bucket):
         sent.append(
@@ -172,12 +172,12 @@ def buckets():
         )
         upstream_launch(bucket)
 
-    gradient_buckets._Bucket.launch = launch
+    gradient_bucket.Bucket.launch = launch
     x, y = data()
     try:
         model.fit(x, y, batch_size=8, epochs=2, verbose=1)
     finally:
-        gradient_buckets._Bucket.launch = upstream_launch
+        gradient_bucket.Bucket.launch = upstream_launch
     worker_utils.record("buckets", sent)
 
 

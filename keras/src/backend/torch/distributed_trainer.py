@@ -28,7 +28,7 @@ import torch
 
 from keras.src.backend.torch import compiled_step_backend
 from keras.src.backend.torch import distribution_lib
-from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import reducer
 from keras.src.backend.torch import train_step_copies
 from keras.src.backend.torch.train_step_copies import outside_step_mode
 from keras.src.distribution import distribution_lib as keras_distribution_lib
@@ -44,7 +44,7 @@ class DistributedStepFunction:
     `distribution_lib.replicate_created_tensors` (in the mode Dynamo
     traces whole when `step_fn` is compiled). Without a distribution,
     `step_fn` runs as it is. A step that raises leaves no gradient
-    reduction pending (`gradient_buckets.discard_pending`): the next step,
+    reduction pending (`reducer.discard_pending`): the next step,
     after the caller caught the error, trains as if it were the first.
 
     Args:
@@ -77,7 +77,7 @@ class DistributedStepFunction:
                 return self.distributed_step_fn(data)
             except BaseException:
                 # A backward pass that raised leaves its buckets behind.
-                gradient_buckets.discard_pending()
+                reducer.discard_pending()
                 raise
 
 

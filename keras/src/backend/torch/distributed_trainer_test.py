@@ -182,20 +182,20 @@ def test_eager_step_distributes_its_batch(distribution):
 
 
 def test_a_step_that_raises_discards_pending_buckets(distribution):
-    from keras.src.backend.torch import gradient_buckets
+    from keras.src.backend.torch import reducer
 
     def failing_step(data):
         # As a backward pass that raised after filling a bucket.
-        gradient_buckets._PENDING.finalizer_queued = True
-        gradient_buckets._PENDING.open["key"] = "bucket"
+        reducer.current().finalizer_queued = True
+        reducer.current().open["key"] = "bucket"
         raise RuntimeError("step failed")
 
     step = distributed_trainer.DistributedStepFunction(failing_step)
     batch = (np.ones((2, 4), "float32"), np.zeros((2,), "int32"))
     with pytest.raises(RuntimeError, match="step failed"):
         step((batch,))
-    assert not gradient_buckets._PENDING.finalizer_queued
-    assert gradient_buckets._PENDING.open == {}
+    assert not reducer.current().finalizer_queued
+    assert reducer.current().open == {}
 
 
 def test_step_on_data_keeps_a_models_own_train_step(distribution):

@@ -32,7 +32,7 @@ expected size"), and a hang or wrong numbers on NCCL. Hence:
   `backend_mesh` shares no seed), no `repr`, no logging, no progress bar
   (logs are Python floats on every process before callbacks see them).
 - Within a step, the order is fixed by the program, not by timing:
-  gradient buckets (`gradient_buckets`) are filled and sent by autograd's
+  gradient buckets (`reducer`) are filled and sent by autograd's
   hooks in the order the engine accumulates gradients, which on CPU runs
   on the thread that called backward; batch-end callbacks run on the main
   thread. A layer runs on local tensors (`batch_local`) only where its
@@ -59,10 +59,11 @@ from keras.src.backend.common import KerasVariable
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import batch_distribution
 from keras.src.backend.torch import dtensor_layouts
-from keras.src.backend.torch import gradient_buckets
+from keras.src.backend.torch import gloo_groups
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import process_group
+from keras.src.backend.torch import reducer
 from keras.src.backend.torch import sharded_initialization
 from keras.src.backend.torch import sharding_rules
 
@@ -192,11 +193,13 @@ def _to_backend_mesh(device_mesh):
             f"process, for all {world_size} processes. Received devices: "
             f"{np.ravel(device_mesh.devices).tolist()}"
         )
-    mesh = TorchDeviceMesh(
-        device_type,
-        torch.as_tensor(ranks),
-        mesh_dim_names=tuple(device_mesh.axis_names),
-    )
+    # The mesh's groups are made now (`gloo_groups`).
+    with gloo_groups.one_worker_thread():
+        mesh = TorchDeviceMesh(
+            device_type,
+            torch.as_tensor(ranks),
+            mesh_dim_names=tuple(device_mesh.axis_names),
+        )
     _BACKEND_MESHES[key] = mesh
     return mesh
 
@@ -260,7 +263,7 @@ def distribute_variable(value, layout, trainable=True, path=None):
     parameter = torch.nn.Parameter(value, requires_grad=trainable)
     if trainable:
         parameter.register_post_accumulate_grad_hook(
-            gradient_buckets.reduce_gradient_when_ready
+            reducer.reduce_gradient_when_ready
         )
     return parameter
 

@@ -157,7 +157,7 @@ def dtensor_from_spec(local, spec):
     DTensor's own operators end with), minus the Python `__init__`, which
     only wraps `Tensor.__init__` for Dynamo and export: the C++
     constructor does the work. For eager code on hot paths (a gradient
-    per parameter per step); `gradient_buckets_test` checks that both ways
+    per parameter per step); `parameter_gradients_test` checks that both ways
     make the same DTensor.
 
     Args:

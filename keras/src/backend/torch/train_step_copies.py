@@ -30,8 +30,8 @@ from torch.utils import _pytree
 
 from keras.src import tree
 from keras.src.backend.torch import batch_reductions
+from keras.src.backend.torch import bucket_riders
 from keras.src.backend.torch import created_tensors
-from keras.src.backend.torch import gradient_buckets
 from keras.src.backend.torch import local_call_state
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -51,7 +51,7 @@ def train_step_with_detached_predictions(trainer, eager=False):
     the metrics read the same predictions, without their autograd
     history; the loss is computed in
     `batch_reductions.means_reduced_with_gradients`, reduced in the
-    gradients' last bucket (`gradient_buckets.reduced_with_gradients`),
+    gradients' last bucket (`bucket_riders.reduced_with_gradients`),
     and the loss tracker updated with it after the optimizer, where
     upstream updates it before backward: a DataParallel step then issues
     no collective of the loss's own. An eager step (`eager=True`) also
@@ -253,7 +253,7 @@ def _loss_then_gradients(trainer, x, y, y_pred, sample_weight, gradients_of):
     (a mean over the batch is left partial), scaled by the optimizer, and
     its gradients applied (`_apply_gradients`) with `y_pred` detached;
     the gradient buckets sent when backward ends reduce it too
-    (`gradient_buckets.reduced_with_gradients`).
+    (`bucket_riders.reduced_with_gradients`).
 
     A compiled step (whose losses are reduced on DTensors, not locally:
     nothing is left partial) computes them as upstream does, without these
@@ -277,7 +277,7 @@ def _loss_then_gradients(trainer, x, y, y_pred, sample_weight, gradients_of):
     if compiled:
         carried = contextlib.nullcontext()
     else:
-        carried = gradient_buckets.reduced_with_gradients(loss)
+        carried = bucket_riders.reduced_with_gradients(loss)
     with carried as rider:
         if trainer.optimizer is not None:
             loss = trainer.optimizer.scale_loss(loss)
