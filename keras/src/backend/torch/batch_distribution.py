@@ -50,8 +50,6 @@ def distribute_global_batch(global_batch, layout):
     )
 
 
-# (id of a Keras mesh, layout axes, shape, dtype, device) -> `_RowsPlan`.
-_ROWS_PLANS = {}
 # Plans kept at most (shapes seldom vary: a last, smaller batch).
 _MAX_ROWS_PLANS = 64
 
@@ -92,15 +90,35 @@ def _even_rows(global_batch, layout):
     plan = _ROWS_PLANS.get(key)
     if plan is None or plan.keras_mesh is not layout.device_mesh:
         plan = _rows_plan(global_batch, layout)
-        if len(_ROWS_PLANS) >= _MAX_ROWS_PLANS:
-            _ROWS_PLANS.clear()
-        _ROWS_PLANS[key] = plan
+        _ROWS_PLANS.keep(key, plan)
     if plan.spec is None:
         return None
     local = global_batch.narrow(0, plan.start, plan.size)
     return dtensor_layouts.dtensor_from_spec(
         local, dtensor_layouts.copy_spec(plan.spec)
     )
+
+
+class _RowsPlans:
+    """The `_RowsPlan`s made, at most `_MAX_ROWS_PLANS` of them."""
+
+    def __init__(self):
+        # (id of a Keras mesh, layout axes, shape, dtype, device) ->
+        # `_RowsPlan`.
+        self._plans = {}
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def keep(self, key, plan):
+        """Keeps `plan`, first dropping every plan when full."""
+        if len(self._plans) >= _MAX_ROWS_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+
+
+# The process's plans, shared by the threads that distribute batches.
+_ROWS_PLANS = _RowsPlans()
 
 
 def _rows_plan(global_batch, layout):

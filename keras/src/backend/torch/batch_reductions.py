@@ -1,61 +1,38 @@
 """Loss reductions over a split batch, on local tensors and one all-reduce.
 
 A loss's per-sample values in a data-parallel step are a DTensor split
-along the batch. Upstream's reduction (`reduce_weighted_values`: weight,
-sum, divide by the number of values) then runs operator by operator on
-DTensors, each with DTensor's dispatch, and DTensor all-reduces the sum
-where an operator needs it whole.
+along the batch; upstream's reduction (`reduce_weighted_values`) would
+run operator by operator on DTensors. `reduce_on_local_tensors` computes
+it as DDP would: each process reduces its own values with upstream's
+function on plain local tensors, and one all-reduce over the batch axes
+adds the processes' results up (`"sum"`: the sum of the local sums;
+`"sum_over_batch_size"` and `"mean"`: the sum of the local means divided
+by the number of batch shards). `call_loss` runs a whole built-in
+`Loss.__call__` on local tensors once earlier calls proved that exact.
 
-`reduce_on_local_tensors` computes the same reduction as DDP would: each
-process reduces its own values with upstream's function on plain local
-tensors, and one all-reduce over the batch axes adds the processes'
-results up. For the `"sum"` reduction the global value is the sum of the
-local sums. For `"sum_over_batch_size"` (and `"mean"`), every process
-holds the same number of values, so the global mean is the sum of the
-local means divided by the number of batch shards; with a power of two
-processes that division is exact and the result is the DTensor
-reduction's bit for bit (the local mean divided by the shard count is
-the local sum divided by the global count, rounded once); with another
-count it may differ from it in the last bit. The gradient
-flows back through the all-reduce and the local operators to the local
-values, as DTensor's own gradient of the reduction would.
+Contract: the result has the placements upstream's reduction gives
+under DTensor (a mean is a replicated DTensor scalar, a sum a partial
+one) and its value, bit for bit with a power of two batch shards
+(`_global_value`); the gradient flows back as DTensor's own. Anything
+else (a mask, a weighted mean, sample weights not split like the
+values, an uneven split, values not split along their first dimension)
+takes upstream's reduction on DTensors. Within
+`means_reduced_with_gradients` (the train step's loss) a mean stays a
+partial DTensor, which the gradient buckets reduce
+(`bucket_riders.reduced_with_gradients`); `whole_value` reduces a
+partial scalar with the all-reduce used here.
 
-The result has the placements upstream's reduction gives under DTensor:
-a mean is a replicated DTensor scalar (all-reduced here), a sum a partial
-one (all-reduced where it is used). Anything else (a mask, a weighted
-mean, sample weights not split like the values, an uneven split, values
-not split along their first dimension) takes upstream's reduction on
-DTensors.
-
-Collectives: for a mean, the one all-reduce of the result over the batch
-axes (one per batch axis of more than one process; none on one process),
-where the DTensor reduction issues its own; a sum issues none, as the
-DTensor reduction. Every process takes the same
-path, decided from global shapes and placements.
-
-The mean's all-reduce is waited for where it is issued, before backward
-starts, as DTensor waits for its own. Leaving it pending while backward
-ran (and reading the loss only after the optimizer) was measured slower:
-0.4 to 2.6 ms a step for the benchmark's transformer and llama on 2 and
-4 gloo processes of a 2-core machine, 100 to 150 alternating steps.
-
-Within `means_reduced_with_gradients` (the train step's loss), a mean
-issues no all-reduce: it is a DTensor partial over the batch axes
-(`Partial("avg")` of each process's local mean), which upstream's loss
-code (adding up the losses, scaling them) keeps partial, and whose
-gradient needs no communication. The train step has the gradient buckets
-reduce it with the gradients (`gradient_buckets.reduced_with_gradients`),
-and reads it after backward. A scalar all-reduce of its own cost a
-DataParallel step 1.7 to 3.8 ms on 2 and 4 gloo processes of a 2-core
-machine (150 to 250 alternating steps): about 6% of the transformer's.
-Whoever reads the partial value before then gets DTensor's all-reduce of
-it, as every process does, in the same place. `whole_value` reduces a
-partial scalar with the all-reduce used here; metric updates take it.
+Collectives: for a mean, one all-reduce of the result per batch axis of
+more than one process (none on one process), where the DTensor
+reduction issues its own; a sum issues none, as the DTensor reduction.
+Every process takes the same path, decided from global shapes and
+placements.
 """
 
 import collections
 import contextlib
 import math
+import threading
 import weakref
 
 import torch
@@ -92,8 +69,8 @@ def reduce_on_local_tensors(
     """
     plan = _local_plan(values, sample_weight, mask, reduction)
     if plan is None:
-        if _NOTED_PLANS[0] is not None:
-            _NOTED_PLANS[0].append(None)
+        if _STEP.noted_plans is not None:
+            _STEP.noted_plans.append(None)
         return upstream_reduce(
             values,
             sample_weight=sample_weight,
@@ -113,8 +90,8 @@ def reduce_on_local_tensors(
             dtype=dtype,
         )
     plan = _LossPlan(values.device_mesh, reduction, *plan)
-    if _NOTED_PLANS[0] is not None:
-        _NOTED_PLANS[0].append(
+    if _STEP.noted_plans is not None:
+        _STEP.noted_plans.append(
             plan if local_calls.computed_locally(values) else None
         )
     return _global_value(local, plan)
@@ -131,17 +108,42 @@ def _global_value(local, plan):
         for mesh_dim in plan.batch_dims:
             placements[mesh_dim] = Partial("sum")
         return DTensor.from_local(local, mesh, placements, run_check=False)
-    if _WITH_GRADIENTS[0] and plan.reduced_dims:
+    if _STEP.with_gradients and plan.reduced_dims:
+        # Left partial for the gradient buckets to reduce: a scalar
+        # all-reduce of its own cost a DataParallel step 1.7 to 3.8 ms on
+        # 2 and 4 gloo processes of a 2-core machine (150 to 250
+        # alternating steps), about 6% of the transformer's. Whoever reads
+        # the partial value before then gets DTensor's all-reduce of it,
+        # as every process does, in the same place.
         return _UnreducedMean.apply(local, mesh, plan.reduced_dims, plan.shards)
     with created_tensors.suspended():
+        # Every process holds the same number of values, so the global
+        # mean is the sum of the local means divided by the shard count.
+        # With a power of two processes the division is exact and the
+        # result is the DTensor reduction's bit for bit (the local mean
+        # divided by the shard count is the local sum divided by the
+        # global count, rounded once); with another count it may differ
+        # from it in the last bit.
         if plan.shards > 1:
             local = local / plan.shards
         return _SumOverBatch.apply(local, mesh, plan.reduced_dims)
 
 
-# Whether a mean is left to the gradient buckets to reduce
-# (`means_reduced_with_gradients`).
-_WITH_GRADIENTS = [False]
+class _StepReductions(threading.local):
+    """The loss reductions' flags of the step running in this thread."""
+
+    # Whether a mean is left to the gradient buckets to reduce
+    # (`means_reduced_with_gradients`).
+    with_gradients = False
+    # The plans `reduce_on_local_tensors` took inside `_call_noting_plan`,
+    # with None for a reduction on DTensors or of values not computed
+    # locally; None outside it.
+    noted_plans = None
+
+
+# Per thread, as the step's torch function mode is: a step's forward
+# (which reduces its losses) runs in the thread that runs the step.
+_STEP = _StepReductions()
 
 
 @contextlib.contextmanager
@@ -157,12 +159,12 @@ def means_reduced_with_gradients():
     (each local mean's is the whole gradient divided by the number of
     batch shards).
     """
-    outer = _WITH_GRADIENTS[0]
-    _WITH_GRADIENTS[0] = True
+    outer = _STEP.with_gradients
+    _STEP.with_gradients = True
     try:
         yield
     finally:
-        _WITH_GRADIENTS[0] = outer
+        _STEP.with_gradients = outer
 
 
 class _LossPlan(
@@ -176,14 +178,30 @@ class _LossPlan(
     them to reduce over (`_local_plan`)."""
 
 
-# The plans `reduce_on_local_tensors` took inside `_call_noting_plan`, with
-# None for a reduction on DTensors or of values not computed locally; None
-# outside it.
-_NOTED_PLANS = [None]
+class _LossPlans:
+    """The local plans of losses whose value is computed from local
+    tensors end to end, kept while the loss lives."""
 
-# loss -> {its arguments' key: `_LossPlan`}: losses whose value is
-# computed from local tensors end to end.
-_LOSS_PLANS = weakref.WeakKeyDictionary()
+    def __init__(self):
+        # loss -> {its arguments' key: `_LossPlan`}.
+        self._by_loss = weakref.WeakKeyDictionary()
+
+    def get(self, loss, key):
+        """The loss's plan for arguments of `key`, or None."""
+        plans = self._by_loss.get(loss)
+        return None if plans is None else plans.get(key)
+
+    def keep(self, loss, key, plan):
+        self._by_loss.setdefault(loss, {})[key] = plan
+
+    def of(self, loss):
+        """The loss's plans by key (empty if none)."""
+        return dict(self._by_loss.get(loss, {}))
+
+
+# The plans of every loss, shared by the threads of the process (a plan
+# depends only on the loss and its arguments' layouts).
+_LOSS_PLANS = _LossPlans()
 
 
 def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
@@ -214,8 +232,7 @@ def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
     key = _loss_key(loss, y_true, y_pred, sample_weight)
     if key is None:
         return upstream_call(loss, y_true, y_pred, sample_weight)
-    plans = _LOSS_PLANS.get(loss)
-    plan = None if plans is None else plans.get(key)
+    plan = _LOSS_PLANS.get(loss, key)
     if plan is None or plan.mesh is not y_pred._spec.mesh:
         return _call_noting_plan(
             loss, upstream_call, key, y_true, y_pred, sample_weight
@@ -275,14 +292,14 @@ def _global_layout(value):
 def _call_noting_plan(loss, upstream_call, key, y_true, y_pred, weight):
     """`upstream_call`, keeping the loss's local plan for `key` where the
     call's one reduction reduced locally computed values locally."""
-    outer = _NOTED_PLANS[0]
-    noted = _NOTED_PLANS[0] = []
+    outer = _STEP.noted_plans
+    noted = _STEP.noted_plans = []
     try:
         value = upstream_call(loss, y_true, y_pred, weight)
     finally:
-        _NOTED_PLANS[0] = outer
+        _STEP.noted_plans = outer
     if len(noted) == 1 and noted[0] is not None:
-        _LOSS_PLANS.setdefault(loss, {})[key] = noted[0]
+        _LOSS_PLANS.keep(loss, key, noted[0])
     return value
 
 
@@ -440,6 +457,12 @@ def _all_reduce_sum(tensor, mesh, mesh_dim):
     """
     functional = torch.ops._c10d_functional
     group_name = mesh.get_group(mesh_dim).group_name
+    # Waited for where it is issued, before backward starts, as DTensor
+    # waits for its own. Leaving a mean's all-reduce pending while
+    # backward ran (and reading the loss only after the optimizer) was
+    # measured slower: 0.4 to 2.6 ms a step for the benchmark's
+    # transformer and llama on 2 and 4 gloo processes of a 2-core
+    # machine, 100 to 150 alternating steps.
     return functional.wait_tensor(
         functional.all_reduce(tensor, "sum", group_name)
     )

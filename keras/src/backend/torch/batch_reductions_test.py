@@ -6,6 +6,7 @@ gradient and placements. Across processes the same comparison runs in the
 integration tests.
 """
 
+import threading
 from unittest import mock
 
 import numpy as np
@@ -140,6 +141,21 @@ class OneProcessBatchAxisTest(testing.TestCase):
                 )
         self.assertEqual(tuple(value.placements), (Replicate(),))
 
+    def test_the_step_flags_are_per_thread(self):
+        seen = []
+
+        def read_flags():
+            step = batch_reductions._STEP
+            seen.append((step.with_gradients, step.noted_plans))
+
+        with batch_reductions.means_reduced_with_gradients():
+            self.assertTrue(batch_reductions._STEP.with_gradients)
+            worker = threading.Thread(target=read_flags)
+            worker.start()
+            worker.join()
+        self.assertEqual(seen, [(False, None)])
+        self.assertFalse(batch_reductions._STEP.with_gradients)
+
     def test_whole_value_reduces_partial_values_only(self):
         mesh = self.mesh.backend_mesh
         for reduce_op in ("sum", "avg"):
@@ -220,7 +236,7 @@ class OneProcessBatchAxisTest(testing.TestCase):
                         [r["reduction"] for r in results],
                         [True, True, False],
                     )
-                    (plan,) = batch_reductions._LOSS_PLANS[loss].values()
+                    (plan,) = batch_reductions._LOSS_PLANS.of(loss).values()
                     self.assertEqual(
                         (plan.reduction, plan.shards, plan.reduced_dims),
                         (reduction, 1, ()),
@@ -239,7 +255,7 @@ class OneProcessBatchAxisTest(testing.TestCase):
     def test_masked_predictions_keep_upstreams_loss_call(self):
         loss = losses.SparseCategoricalCrossentropy(from_logits=True)
         results = self.call_loss_three_times(loss, mask=True)
-        self.assertNotIn(loss, batch_reductions._LOSS_PLANS)
+        self.assertEqual(batch_reductions._LOSS_PLANS.of(loss), {})
         self.assertEqual([r["reduction"] for r in results], [True] * 3)
         for result in results[1:]:
             np.testing.assert_array_equal(result["value"], results[0]["value"])
@@ -254,7 +270,7 @@ class OneProcessBatchAxisTest(testing.TestCase):
             with created_tensors.replicate_created_tensors(self.mesh):
                 value = loss(labels, logits)
             self.assertEqual(tuple(value.shape), (6,))
-        self.assertNotIn(loss, batch_reductions._LOSS_PLANS)
+        self.assertEqual(batch_reductions._LOSS_PLANS.of(loss), {})
 
     def test_a_loss_with_a_call_of_its_own_keeps_upstreams_loss_call(self):
         class Halved(losses.LossFunctionWrapper):
