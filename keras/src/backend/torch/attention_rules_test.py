@@ -33,7 +33,7 @@ class CudaAttentionRulesTest(testing.TestCase):
     mask, a mask that broadcasts over heads ([B, 1, T, T]) and a mask per
     head ([B, H, T, T]). Each must give the queries' placement to the
     outputs, with nothing redistributed: the inputs arrive laid out as
-    `created_tensors._align_attention_mask` lays them out.
+    `argument_layouts._align_attention_mask` lays them out.
     """
 
     SHAPE = (2, 4, 8, 16)

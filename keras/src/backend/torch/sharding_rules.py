@@ -62,11 +62,21 @@ _UNBIND_REFUSAL = "Attempted to unbind along the sharded dimension"
 
 # The rules `register` added where this torch's DTensor had none, by op.
 _ADDED_RULES = {}
+# Torch's own rule of each op `register` gives a rule or wraps, as torch
+# shipped it (None where it had none): what `torch_workarounds` probes.
+TORCH_RULES = {}
 
 
 @functools.cache
 def register():
     """Installs the rules; once, whatever the number of calls."""
+    ops = [
+        *attention_rules.rules(),
+        *_fallback_rules(),
+        *_VIEW_OPS,
+        *(op for op, _, _ in _wrapped_rules()),
+    ]
+    TORCH_RULES.update({op: torch_internals.rule_of(op) for op in ops})
     _ADDED_RULES.update(_missing_rules())
     for op, rule in attention_rules.rules().items():
         register_sharding(op)(rule)
@@ -84,7 +94,7 @@ def _missing_rules():
     return {
         op: rule
         for op, rule in _fallback_rules().items()
-        if not torch_internals.has_sharding_rule(op)
+        if TORCH_RULES[op] is None
     }
 
 
@@ -241,6 +251,7 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
         return _with_input_costs(view_or_reshape(relaid), input_strategy)
 
     rule.keras_reshape_fallback = True
+    rule.torch_rule = view_rule
     return rule
 
 
@@ -339,6 +350,7 @@ def unbind_with_gather_fallback(unbind_rule):
         )
 
     rule.keras_gather_fallback = True
+    rule.torch_rule = unbind_rule
     return rule
 
 
@@ -406,6 +418,7 @@ def stack_with_dim_normalized(rule):
         return rule(op_schema)
 
     strategy.keras_dim_normalized = True
+    strategy.torch_rule = rule
     return strategy
 
 
@@ -440,4 +453,5 @@ def transpose_moves_strided_shards(rule):
         return result
 
     strategy.keras_strided_shards_moved = True
+    strategy.torch_rule = rule
     return strategy

@@ -31,6 +31,14 @@ def has_sharding_rule(op):
     return any(op in table for table in rule_tables())
 
 
+def rule_of(op):
+    """DTensor's rule for `op` from whichever table holds it, or None."""
+    for table in rule_tables():
+        if op in table:
+            return table[op]
+    return None
+
+
 def strategy_of(op):
     """DTensor's strategy function for `op`, or None."""
     return sharding_propagator().op_strategy_funcs.get(op)
