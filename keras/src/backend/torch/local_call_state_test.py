@@ -66,13 +66,7 @@ class LocalCallStateTest(testing.TestCase):
         self.assertIs(local_call_state.caches(), caches)
 
     def test_cache_entries_go_with_their_keys(self):
-        caches = local_call_state.caches()
-        gc.collect()
-        counts = (
-            len(caches.plans),
-            len(caches.computed),
-            len(caches.gradient_specs),
-        )
+        caches = local_call_state.LocalCallCaches()
         layer = layers.Dense(2)
         caches.plans[layer] = {"signature": None}
         tensor = torch.ones(2)
@@ -81,11 +75,27 @@ class LocalCallStateTest(testing.TestCase):
         self.assertIn(tensor, caches.computed)
         del layer, tensor
         gc.collect()
-        self.assertEqual(
-            (
-                len(caches.plans),
-                len(caches.computed),
-                len(caches.gradient_specs),
-            ),
-            counts,
-        )
+        self.assertEqual(len(caches.plans), 0)
+        self.assertEqual(len(caches.computed), 0)
+        self.assertEqual(len(caches.gradient_specs), 0)
+
+    def test_weak_id_map(self):
+        entries = local_call_state.WeakIdMap()
+        first, second = torch.ones(2), torch.ones(2)
+        entries[first] = "first"
+        self.assertEqual(entries.get(first), "first")
+        self.assertEqual(entries[first], "first")
+        self.assertIn(first, entries)
+        # Keyed by identity, not by value.
+        self.assertNotIn(second, entries)
+        self.assertIsNone(entries.get(second))
+        with self.assertRaises(KeyError):
+            entries[second]
+        entries[first] = "again"
+        entries[second] = "second"
+        self.assertEqual(len(entries), 2)
+        self.assertEqual(entries.get(first), "again")
+        del first
+        gc.collect()
+        self.assertEqual(len(entries), 1)
+        self.assertEqual(entries.get(second), "second")
