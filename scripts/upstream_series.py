@@ -61,7 +61,7 @@ MODULE_PATCHES = (
     (
         "0002-torch-process-group.patch",
         "torch: the distributed process group, timeout and shared seed",
-        [T + "process_group.py"],
+        [T + "process_group.py", T + "gloo_groups.py"],
     ),
     (
         "0003-torch-dtensor-layouts.patch",
@@ -71,17 +71,30 @@ MODULE_PATCHES = (
     (
         "0004-torch-sharding-rules.patch",
         "torch: sharding rules DTensor lacks or gets wrong",
-        [T + "sharding_rules.py", T + "strided_shard_sizes.py"],
+        [
+            T + "sharding_rules.py",
+            T + "attention_rules.py",
+            T + "replicated_fallback.py",
+            T + "strided_shard_sizes.py",
+            T + "torch_internals.py",
+            T + "torch_probes.py",
+            T + "torch_workarounds.py",
+        ],
     ),
     (
         "0005-torch-created-tensors.patch",
         "torch: tensors created in a distributed step are replicated",
         [
             T + "created_tensors.py",
+            T + "argument_layouts.py",
+            T + "attention_layouts.py",
+            T + "creation_handlers.py",
             T + "extreme_reductions.py",
             T + "in_place_writes.py",
             T + "local_layouts.py",
+            T + "local_rows.py",
             T + "python_values.py",
+            T + "sharded_lookups.py",
         ],
     ),
     (
@@ -97,17 +110,35 @@ MODULE_PATCHES = (
     (
         "0008-torch-gradient-buckets.patch",
         "torch: bucketed asynchronous gradient reduction",
-        [T + "gradient_buckets.py"],
+        [
+            T + "reducer.py",
+            T + "gradient_bucket.py",
+            T + "bucket_assignment.py",
+            T + "bucket_riders.py",
+            T + "local_gradients.py",
+            T + "parameter_gradients.py",
+        ],
     ),
     (
         "0009-torch-gathered-units.patch",
         "torch: fully sharded variables gathered by unit",
-        [T + "gathered_units.py"],
+        [
+            T + "gathered_units.py",
+            T + "unit_gathering.py",
+            T + "reshard_after_forward.py",
+        ],
     ),
     (
         "0010-torch-batch-local.patch",
         "torch: layers proven local to a batch shard run on local tensors",
-        [T + "batch_local.py"],
+        [
+            T + "batch_local.py",
+            T + "local_call_checks.py",
+            T + "local_call_state.py",
+            T + "local_calls.py",
+            T + "local_variables.py",
+            T + "local_views.py",
+        ],
     ),
     (
         "0011-torch-distribution-lib.patch",
@@ -117,7 +148,13 @@ MODULE_PATCHES = (
     (
         "0012-torch-distributed-trainer.patch",
         "torch: the trainer's steps under a distribution",
-        [T + "distributed_trainer.py"],
+        [
+            T + "distributed_trainer.py",
+            T + "train_step_copies.py",
+            T + "compiled_step_backend.py",
+            T + "compile_cache_keys.py",
+            T + "compiled_graph_outputs.py",
+        ],
     ),
     (
         "0013-distribution-layout-helpers.patch",
