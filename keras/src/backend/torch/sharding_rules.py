@@ -56,10 +56,6 @@ _STRIDED_UNFLATTEN_REFUSAL = (
 )
 
 
-# What torch's `unbind` rule says where the unbound dimension is sharded.
-_UNBIND_REFUSAL = "Attempted to unbind along the sharded dimension"
-
-
 # The rules `register` added where this torch's DTensor had none, by op.
 _ADDED_RULES = {}
 # Torch's own rule of each op `register` gives a rule or wraps, as torch
@@ -317,35 +313,34 @@ def _wrap_rules():
 
 
 def unbind_with_gather_fallback(unbind_rule):
-    """An `unbind` rule that gathers the unbound dimension where
-    `unbind_rule` refuses to unbind a sharded dimension.
+    """An `unbind` rule that gathers the unbound dimension where the input
+    is split along it, which `unbind_rule` refuses.
 
-    The fallback is `unbind_rule` itself, applied to the input laid out
-    with every `Shard` of the unbound dimension replaced by `Replicate`:
-    its strategy asks DTensor for that layout, which DTensor reaches by
-    an all-gather before unbinding. Any other refusal of `unbind_rule` is
-    raised as it is.
+    Decided by the input's placements: where no strategy of the input
+    splits the unbound dimension, `unbind_rule` decides alone. Otherwise
+    the rule is `unbind_rule` applied to the input laid out with every
+    `Shard` of that dimension replaced by `Replicate`: its strategy asks
+    DTensor for that layout, which DTensor reaches by an all-gather
+    before unbinding.
     """
 
     def rule(op_schema):
-        try:
-            return unbind_rule(op_schema)
-        except RuntimeError as error:
-            if _UNBIND_REFUSAL not in str(error):
-                raise
         input_strategy = op_schema.args_schema[0]
         dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
         dim = dim % input_strategy.ndim
+
+        def splits_dim(spec, mesh_dim):
+            placement = spec.placements[mesh_dim]
+            return isinstance(placement, Shard) and placement.dim == dim
+
+        if not any(
+            splits_dim(s.output_spec, mesh_dim)
+            for s in input_strategy.strategies
+            for mesh_dim in range(s.output_spec.mesh.ndim)
+        ):
+            return unbind_rule(op_schema)
         return _with_input_costs(
-            unbind_rule(
-                _first_input_replicated(
-                    op_schema,
-                    lambda spec, mesh_dim: (
-                        isinstance(spec.placements[mesh_dim], Shard)
-                        and spec.placements[mesh_dim].dim == dim
-                    ),
-                )
-            ),
+            unbind_rule(_first_input_replicated(op_schema, splits_dim)),
             input_strategy,
         )
 

@@ -607,13 +607,25 @@ class UnbindFallbackTest(testing.TestCase):
         x = self.distributed((1,), ("batch",), [Shard(1)])
         self.check_rows(torch.unbind(x, 0), (Shard(0),))
 
-    def test_other_refusals_are_raised(self):
+    def test_an_unbind_of_an_unsplit_dimension_is_torchs_alone(self):
+        """Decided by placements: where the unbound dimension is not
+        split, torch's rule decides, refusals included."""
+        mesh = distribution_api.DeviceMesh((1,), ("batch",), ["cpu:0"])
+        meta = TensorMeta(torch.Size([4, 3]), (3, 1), torch.float32)
+        spec = DTensorSpec(mesh.backend_mesh, (Shard(1),), tensor_meta=meta)
+        schema = OpSchema(
+            torch.ops.aten.unbind.int, (OpStrategy([OpSpec(spec)]), 0), {}
+        )
+        seen = []
+
         def refusing(op_schema):
+            seen.append(op_schema)
             raise RuntimeError("some other refusal")
 
         rule = sharding_rules.unbind_with_gather_fallback(refusing)
         with self.assertRaisesRegex(RuntimeError, "some other refusal"):
-            rule("schema")
+            rule(schema)
+        self.assertEqual(seen, [schema])
 
     def test_register_wraps_once(self):
         propagator = DTensor._op_dispatcher.sharding_propagator
