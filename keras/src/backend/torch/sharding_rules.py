@@ -38,24 +38,6 @@ from keras.src.backend.torch import torch_internals
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-# What torch's `view` rule says where `reshape`'s would redistribute.
-_VIEW_REFUSALS = (
-    "Attempted to flatten multiple dimensions",
-    "would remove or reshape sharded dimension",
-    "Cannot flatten unevenly sharded tensor",
-    "Cannot unflatten unevenly sharded tensor",
-    # Torch 2.11's words for the uneven cases.
-    "Attempted to flatten unevenly sharded dimension",
-    "Attempted to split the sharded dimension",
-)
-
-
-# What torch's `view` rule says where it cannot split a `_StridedShard`.
-_STRIDED_UNFLATTEN_REFUSAL = (
-    "Cannot unflatten tensor with _StridedShard placement"
-)
-
-
 # The rules `register` added where this torch's DTensor had none, by op.
 _ADDED_RULES = {}
 # Torch's own rule of each op `register` gives a rule or wraps, as torch
@@ -208,8 +190,8 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
 
     `view` and `reshape` take the same arguments (tensor, sizes), and torch
     derives the same dimension map from them for both; the rules differ
-    only in that `reshape`'s may redistribute its input. Any other refusal
-    of `view_rule` is raised as it is.
+    only in that `reshape`'s may redistribute its input. A refusal that
+    `reshape`'s rule shares is raised as `view_rule` gave it.
 
     Torch's rules check a split dimension against the first mesh axis
     that splits it only. A dimension split over an axis of one process
@@ -224,24 +206,25 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
     def view_or_reshape(op_schema):
         try:
             return view_rule(op_schema)
-        except RuntimeError as error:
-            message = str(error)
-            if _STRIDED_UNFLATTEN_REFUSAL in message:
-                return _with_input_costs(
-                    view_rule(_first_input_replicated(op_schema, _is_strided)),
-                    op_schema.args_schema[0],
-                )
-            if not any(refusal in message for refusal in _VIEW_REFUSALS):
-                raise
-        return reshape_rule(op_schema)
+        except RuntimeError as refusal:
+            # Decided by the input's layout and by `reshape`'s rule, not by
+            # the refusal's words. A strided input is viewed with its
+            # `_StridedShard`s gathered: torch's `reshape` rule gets the
+            # local shape of an unflattened `_StridedShard` wrong ("shape
+            # '[0, 8, 48]' is invalid").
+            input_strategy = op_schema.args_schema[0]
+            if _any_placement(input_strategy, _is_strided):
+                relaid = _first_input_replicated(op_schema, _is_strided)
+                return _with_input_costs(view_rule(relaid), input_strategy)
+            try:
+                return reshape_rule(op_schema)
+            except RuntimeError:
+                # `reshape` refuses too: the refusal was not the layout's.
+                raise refusal from None
 
     def rule(op_schema):
         input_strategy = op_schema.args_schema[0]
-        if not any(
-            _hides_an_uneven_split(s.output_spec, mesh_dim)
-            for s in input_strategy.strategies
-            for mesh_dim in range(s.output_spec.mesh.ndim)
-        ):
+        if not _any_placement(input_strategy, _hides_an_uneven_split):
             return view_or_reshape(op_schema)
         relaid = _first_input_replicated(op_schema, _hides_an_uneven_split)
         return _with_input_costs(view_or_reshape(relaid), input_strategy)
@@ -249,6 +232,16 @@ def view_with_reshape_fallback(view_rule, reshape_rule):
     rule.keras_reshape_fallback = True
     rule.torch_rule = view_rule
     return rule
+
+
+def _any_placement(strategy, picked):
+    """Whether a placement of a layout of `strategy` is `picked(spec,
+    mesh_dim)`."""
+    return any(
+        picked(s.output_spec, mesh_dim)
+        for s in strategy.strategies
+        for mesh_dim in range(s.output_spec.mesh.ndim)
+    )
 
 
 def _is_strided(spec, mesh_dim):

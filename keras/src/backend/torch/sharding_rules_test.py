@@ -344,10 +344,15 @@ class ViewFallbackTest(testing.TestCase):
         (op_spec,) = strategy.strategies
         self.assertEqual(len(op_spec.redistribute_cost), 1)
 
-    def test_other_refusals_are_raised(self):
+    def test_refusals_reshape_shares_are_raised_as_views(self):
+        """Not decided by words: where `reshape`'s rule refuses too, the
+        refusal was not the layout's, and `view`'s is raised."""
+
+        def reshape_rule(op_schema):
+            raise RuntimeError("reshape's refusal")
+
         rule = sharding_rules.view_with_reshape_fallback(
-            self.rule_raising("some other refusal"),
-            lambda op_schema: ("reshape", op_schema),
+            self.rule_raising("some other refusal"), reshape_rule
         )
         with self.assertRaisesRegex(RuntimeError, "some other refusal"):
             rule(self.schema)
