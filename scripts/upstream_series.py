@@ -79,6 +79,7 @@ MODULE_PATCHES = (
             T + "torch_internals.py",
             T + "torch_probes.py",
             T + "torch_workarounds.py",
+            T + "view_rules.py",
         ],
     ),
     (
