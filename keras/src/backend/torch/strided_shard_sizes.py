@@ -20,16 +20,12 @@ import functools
 from torch.distributed.tensor import placement_types
 from torch.utils._python_dispatch import _disable_current_modes
 
-# Whether `register` ran.
-_REGISTERED = [False]
 
-
+@functools.cache
 def register():
     """Runs `_StridedShard`'s size computation outside tracing modes;
-    idempotent. Called by `sharding_rules.register`."""
-    if _REGISTERED[0]:
-        return
-    _REGISTERED[0] = True
+    once, whatever the number of calls. Called by
+    `sharding_rules.register`."""
     strided_shard = getattr(placement_types, "_StridedShard", None)
     upstream = getattr(strided_shard, "local_shard_size_and_offset", None)
     if upstream is None:
