@@ -87,7 +87,7 @@ WORKAROUNDS = (
     ),
     Workaround(
         "view flattens a sharded inner dimension",
-        "sharding_rules.view_with_reshape_fallback",
+        "view_rules.view_with_reshape_fallback",
         "The view rule refuses to merge a sharded dimension into the one "
         "before it ('Attempted to flatten multiple dimensions').",
         ("2.11", "2.11"),
@@ -97,7 +97,7 @@ WORKAROUNDS = (
     ),
     Workaround(
         "view of a dimension sharded on a mesh axis of size 1",
-        "sharding_rules.view_with_reshape_fallback",
+        "view_rules.view_with_reshape_fallback",
         "The view rule refuses to reshape a dimension sharded over a mesh "
         "axis of one process, which holds the whole dimension.",
         ("2.11", NEWEST),
@@ -107,7 +107,7 @@ WORKAROUNDS = (
     ),
     Workaround(
         "view of an uneven split",
-        "sharding_rules.view_with_reshape_fallback",
+        "view_rules.view_with_reshape_fallback",
         "The view rule refuses to flatten or unflatten an unevenly split "
         "dimension (a last batch that does not divide by the processes).",
         ("2.11", NEWEST),
@@ -117,7 +117,7 @@ WORKAROUNDS = (
     ),
     Workaround(
         "uneven split behind an axis of one process",
-        "sharding_rules.view_with_reshape_fallback",
+        "view_rules.view_with_reshape_fallback",
         "The view rules check a split dimension against the first mesh "
         "axis that splits it only: (Shard(0), Shard(0)) on a (1, 2) mesh "
         "with 3 rows is viewed as if split evenly.",
@@ -128,7 +128,7 @@ WORKAROUNDS = (
     ),
     Workaround(
         "unbind along a sharded dimension",
-        "sharding_rules.unbind_with_gather_fallback",
+        "view_rules.unbind_with_gather_fallback",
         "The unbind rule refuses to unbind the dimension it is split on "
         "(Keras's RNN loop iterates over the batch).",
         ("2.11", NEWEST),
