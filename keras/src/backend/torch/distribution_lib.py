@@ -3,46 +3,22 @@
 The PyTorch backend distributes with `torch.distributed` and DTensor: one
 process drives one device, a Keras `DeviceMesh` becomes a torch
 `DeviceMesh` over process ranks, and a `TensorLayout` becomes a tuple of
-DTensor placements, one per mesh axis.
+DTensor placements, one per mesh axis. This module holds the functions of
+the JAX backend's `distribution_lib`: devices, `initialize`, the
+`_to_backend_*` conversions and the `distribute_*` functions. The jobs
+behind them live in the modules imported below (named at the imports).
 
-This module holds the functions of the JAX backend's `distribution_lib`:
-devices, `initialize`, the `_to_backend_*` conversions and the
-`distribute_*` functions. The jobs behind them live beside it:
-`process_group` (the process group and the shared seed),
-`dtensor_layouts` (layouts as placements, checked by
-`keras.src.distribution.layout_validation`), `batch_distribution` (input
-batches), `collectives` (`all_reduce`, `all_gather`), `created_tensors`
-(the step's torch function mode), `batch_local` (layers proven local to
-each batch shard, run on plain tensors), `gathered_units` (the fully
-sharded variables of a local call, gathered unit by unit),
-`sharded_initialization` (variables created shard by shard) and
-`sharding_rules` (DTensor rules, registered when the first mesh is made).
-
-Collectives in lockstep. Every process issues the same collectives, in the
-same order, from the thread that runs the step; a collective paired with a
-different one is a crash on gloo ("Received data size doesn't match
-expected size"), and a hang or wrong numbers on NCCL. Hence:
-
-- Collectives are issued only by calls that every process makes in the
-  same order: `initialize`, `set_distribution` (which shares the seed
-  once, see `share_seed_once`, if `initialize` did not, and converts the
-  distribution's mesh, creating its process groups), the steps of
-  `fit`/`evaluate`/`predict`, `convert_to_numpy` and saving. Nothing that
-  may run on some processes only issues one: no property (a mesh's
-  `backend_mesh` shares no seed), no `repr`, no logging, no progress bar
-  (logs are Python floats on every process before callbacks see them).
-- Within a step, the order is fixed by the program, not by timing:
-  gradient buckets (`reducer`) are filled and sent by autograd's
-  hooks in the order the engine accumulates gradients, which on CPU runs
-  on the thread that called backward; batch-end callbacks run on the main
-  thread. A layer runs on local tensors (`batch_local`) only where its
-  first call issued no collective other than the gathers of its fully
-  sharded variables, a verdict every process reaches alike; a local call
-  gathers those in the order the program reads them, and autograd's hooks
-  gather them again and reduce-scatter their gradients in the engine's
-  order, as they do the buckets.
-- A process that stops taking part (it died, or skipped a call) makes the
-  others fail within `KERAS_DTENSOR_TIMEOUT_SECONDS`, never hang.
+Contract, collectives in lockstep: every process issues the same
+collectives, in the same order, from the thread that runs the step; a
+collective paired with a different one is a crash on gloo ("Received data
+size doesn't match expected size"), and a hang or wrong numbers on NCCL.
+Collectives are issued only by calls that every process makes in the same
+order: `initialize`, `set_distribution`, the steps of
+`fit`/`evaluate`/`predict`, `convert_to_numpy` and saving. Nothing that
+may run on some processes only issues one. Within a step, the order is
+fixed by the program, not by timing. A process that stops taking part (it
+died, or skipped a call) makes the others fail within
+`KERAS_DTENSOR_TIMEOUT_SECONDS`, never hang.
 """
 
 import os
@@ -57,6 +33,17 @@ from torch.distributed.tensor import distribute_tensor as _dtensor_distribute
 from keras.src import tree
 from keras.src.backend.common import KerasVariable
 from keras.src.backend.common.keras_tensor import KerasTensor
+
+# The jobs behind this module's functions live beside it: `process_group`
+# (the process group and the shared seed), `dtensor_layouts` (layouts as
+# placements, checked by `keras.src.distribution.layout_validation`),
+# `batch_distribution` (input batches), `collectives` (`all_reduce`,
+# `all_gather`), `created_tensors` (the step's torch function mode),
+# `batch_local` (layers proven local to each batch shard, run on plain
+# tensors), `gathered_units` (the fully sharded variables of a local call,
+# gathered unit by unit), `sharded_initialization` (variables created shard
+# by shard) and `sharding_rules` (DTensor rules, registered when the first
+# mesh is made).
 from keras.src.backend.torch import batch_distribution
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gloo_groups
@@ -81,6 +68,10 @@ from keras.src.backend.torch.created_tensors import replicating_created_tensors 
 from keras.src.backend.torch.dtensor_layouts import DTensorLayout  # noqa: F401
 from keras.src.backend.torch.dtensor_layouts import validate_layout  # noqa: F401
 from keras.src.backend.torch.process_group import TIMEOUT_ENV_VAR  # noqa: F401
+
+# `set_distribution` shares the seed once, by `share_seed_once`, if
+# `initialize` did not, and converts the distribution's mesh, creating its
+# process groups.
 from keras.src.backend.torch.process_group import share_seed_once  # noqa: F401
 
 _BACKEND_MESHES = {}
@@ -184,6 +175,10 @@ def _to_backend_mesh(device_mesh):
     key += (tuple(device_mesh.axis_names),)
     if key in _BACKEND_MESHES:
         return _BACKEND_MESHES[key]
+    # Nothing that may run on some processes only issues a collective: no
+    # property (a mesh's `backend_mesh` shares no seed), no `repr`, no
+    # logging, no progress bar (logs are Python floats on every process
+    # before callbacks see them).
     process_group.ensure_process_group()
     sharding_rules.register()
     world_size = num_processes()
@@ -262,6 +257,10 @@ def distribute_variable(value, layout, trainable=True, path=None):
         )
     parameter = torch.nn.Parameter(value, requires_grad=trainable)
     if trainable:
+        # Gradient buckets (`reducer`) are filled and sent by autograd's
+        # hooks in the order the engine accumulates gradients, which on CPU
+        # runs on the thread that called backward; batch-end callbacks run
+        # on the main thread.
         parameter.register_post_accumulate_grad_hook(
             reducer.reduce_gradient_when_ready
         )
@@ -376,6 +375,12 @@ def distribute_tensor(tensor, layout):
             if x.requires_grad and x.device_mesh == layout.mesh:
                 return _ConstrainLayout.apply(x, layout.mesh, layout.placements)
             return dtensor_layouts.relayout(x, layout)
+        # A layer runs on local tensors (`batch_local`) only where its first
+        # call issued no collective other than the gathers of its fully
+        # sharded variables, a verdict every process reaches alike; a local
+        # call gathers those in the order the program reads them, and
+        # autograd's hooks gather them again and reduce-scatter their
+        # gradients in the engine's order, as they do the buckets.
         if local_call_state.running_locally():
             # A local shard in a local call, whose first (watched) call
             # proved that this layout leaves local tensors as they are.

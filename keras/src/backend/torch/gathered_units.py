@@ -4,46 +4,20 @@ A local layer call (`batch_local`) reads each variable that is sharded
 over the batch axes whole. Gathering them one by one costs one all-gather
 per variable in forward and one reduce-scatter per variable in backward.
 As FSDP does for its units, the sharded variables of one sublayer of the
-local call's layer (a transformer block, say) are gathered together here:
-their local shards are flattened into one buffer, all-gathered in one
-collective, and cut back into full values; in backward, their gradients
-(partial sums over the batch axis) are packed the same way and
-reduce-scattered in one collective back to each variable's shards.
+local call's layer (a transformer block, say) are gathered together here.
 
-Which variables form a unit: as FSDP wraps a model's blocks, those of
-each block (`block_units`). The blocks are the repeated segments of the
-layer's calls (`segments_of`, `repeated_runs`): for a functional model,
-its graph cut wherever a single tensor is live (the residual stream
-between two blocks), so that a flat model, every Dense a direct layer of
-it, is gathered block by block; for any other layer, its direct
-sublayers. The sharded variables outside every block (an embedding, a
-head) form the root unit, kept gathered from its first read to the end
-of backward, as FSDP's root is not resharded after forward. A layer with
-no repeated segments takes the units of its direct sublayers, and those
-it holds itself (`owned_units`); all of them when the layer is
-recomputed whole (`remat_layers`); consecutive small ones are joined
-(`join_small_units`), as DDP fills a bucket, while the joined unit's
-gathered bytes stay within `KERAS_DTENSOR_UNIT_CAP_MB` (25 by default; 0
-joins nothing). A sublayer recomputed in backward is a unit of its own.
-A unit is gathered in one collective when all its variables are split
-evenly along one dimension over the same single mesh axis, replicated on
-the others, and share a dtype, and when that axis is the only one that
-splits the batch (`unit_plan`); otherwise each variable is gathered
-alone, by DTensor.
+This module says which variables form a unit (`block_units`; without
+repeated blocks, `owned_units` and `join_small_units`), whether one
+collective can gather a unit (`unit_plan`; otherwise each variable is
+gathered alone, by DTensor), and gathers it (`UnitPlan`, `StartedGather`,
+`gather_unit`). `unit_gathering` calls it for each local call.
 
-Collectives: a unit's gather is issued at the first read of one of its
-variables in the call, unless it was issued ahead: when a unit is
-gathered in forward, the gather of the next unit (in the order of the
-units' first segments) is issued as soon as the current unit's gather is
-done, before its values are used, as FSDP2 prefetches, so that it
-overlaps the current unit's compute while one gather at a time is in
-flight. A prefetched unit that the call never reads is waited for when
-the call ends. A unit's reduce-scatter is issued when autograd reaches
-it. The same program on the same global shapes gives the same order on
-every process. The buffers of an asynchronous gather: its input is a new
-flat copy of the shards, and its output is read only after the gather
-is waited for; a prefetch the call never reads is waited for when the
-call ends, raised or not.
+Collectives: per unit, one all-gather in forward, issued at the first
+read of one of its variables in the call unless it was issued ahead (a
+prefetch, one gather in flight at a time), and one reduce-scatter in
+backward, issued when autograd reaches it. The same program on the same
+global shapes gives the same order on every process. A prefetch the call
+never reads is waited for when the call ends, raised or not.
 """
 
 import os
@@ -54,6 +28,9 @@ from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import dtensor_layouts
 
+# Consecutive small units are joined (`join_small_units`), as DDP fills a
+# bucket, while the joined unit's gathered bytes stay within this many MB
+# (25 by default; 0 joins nothing).
 UNIT_CAP_ENV_VAR = "KERAS_DTENSOR_UNIT_CAP_MB"
 DEFAULT_UNIT_CAP_MB = 25
 
@@ -87,12 +64,18 @@ class UnitPlan:
 
         Returns the gathered rows, to be handed to `finish_gather`.
         """
+        # The local shards are flattened into one buffer, all-gathered in
+        # one collective (and cut back into full values by `unpack`). For
+        # an asynchronous gather, this input is a new flat copy of the
+        # shards.
         flat = torch.cat([shard.reshape(-1) for shard in shards])
         return funcol.all_gather_tensor(flat, gather_dim=0, group=self.group)
 
     def finish_gather(self, started):
         """The gathered rows, one per process, from `start_gather`'s
         result, waited for."""
+        # The output of an asynchronous gather is read only after the
+        # gather is waited for.
         return _wait(started).view(self.world, -1)
 
     def unpack(self, rows):
@@ -112,6 +95,9 @@ class UnitPlan:
     def reduce_scatter(self, rows):
         """This process's shards of the sums of packed gradient `rows`
         (as `unpack`'s gradient packs them) over the axis."""
+        # The gradients (partial sums over the batch axis) are packed as
+        # the values were, and reduce-scattered in one collective back to
+        # each variable's shards.
         summed = _wait(
             funcol.reduce_scatter_tensor(
                 rows.reshape(-1), "sum", scatter_dim=0, group=self.group
@@ -130,6 +116,11 @@ def _wait(tensor):
     return tensor
 
 
+# When a unit is gathered in forward, the gather of the next unit (in the
+# order of the units' first segments) is issued as soon as the current
+# unit's gather is done, before its values are used, as FSDP2 prefetches,
+# so that it overlaps the current unit's compute while one gather at a
+# time is in flight (`unit_gathering`).
 class StartedGather:
     """The all-gather of a unit's values, issued ahead of their first read.
 
@@ -144,6 +135,8 @@ class StartedGather:
 
     def wait(self):
         """Waits for the gather (of a prefetch that was never read)."""
+        # A prefetched unit that the call never reads is waited for when
+        # the call ends, raised or not.
         _wait(self.rows)
 
 
@@ -202,6 +195,11 @@ def unit_plan(values, gradient_placements):
     batch_dims = [
         dim for dim, p in enumerate(gradient_placements) if p.is_partial()
     ]
+    # One collective gathers a unit when all its variables are split
+    # evenly along one dimension over the same single mesh axis, replicated
+    # on the others, and share a dtype, and when that axis is the only one
+    # that splits the batch; otherwise each variable is gathered alone, by
+    # DTensor.
     if len(batch_dims) != 1:
         return None
     (mesh_dim,) = batch_dims
@@ -259,6 +257,8 @@ def owned_units(layer, sharded, whole=False):
     """
     groups = []
     flatten = getattr(layer, "_flatten_layers", None)
+    # A layer recomputed whole (`remat_layers`) is one unit of all its
+    # sharded variables.
     children = () if flatten is None or whole else flatten(False, False)
     seen = set()
     for owner in (*children, None):
@@ -318,6 +318,8 @@ def segments_of(layer):
     Returns:
         A list of segments, each a list of operations (layers or ops).
     """
+    # Cutting a functional model where a single tensor is live gathers a
+    # flat model, every Dense a direct layer of it, block by block.
     nodes_by_depth = getattr(layer, "_nodes_by_depth", None)
     if nodes_by_depth is None:
         flatten = getattr(layer, "_flatten_layers", None)
@@ -441,6 +443,8 @@ def block_units(layer, sharded):
     weights = [len(own) for own in owned]
     runs = repeated_runs(signatures, weights)
     if not runs:
+        # A layer with no repeated segments takes the units of its direct
+        # sublayers, and those it holds itself (`owned_units`).
         return None
     in_block = {}
     for first, period, count in runs:

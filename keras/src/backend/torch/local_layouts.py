@@ -2,32 +2,17 @@
 
 DTensor records a result's strides from the op applied to the global
 shapes, and computes the local result by applying the op to the local
-shards. Torch leaves the strides of size-1 dimensions free, and the two
-computations may set them differently (`view` derives them from the
-shape around them). Most ops lay their result out from the order of the
-other dimensions' strides, so the two still agree. `cat` does not: it
-takes its result's memory format from its inputs' suggested format, and
-that suggestion reads the strides of size-1 dimensions too. Where the
-local inputs look `channels_last` and the global ones do not, the local
-result is `channels_last` while DTensor records it contiguous, and a
-later `view`, valid for the recorded strides, fails on the local tensor
-("view size is not compatible with input tensor's size and stride").
+shards. For `cat` the two can differ (see `_CAT`), and a later `view`,
+valid for the recorded strides, fails on the local tensor ("view size is
+not compatible with input tensor's size and stride").
 
-Keras steps meet this in the backward of Gemma's rotary embedding with
-one key/value head (Gemma 2B's multi-query attention): `split`'s
-gradient is a `cat` of 4-D gradients whose head dimension has size 1,
-and the query projection's `einsum` views the result. Every model of
-that shape failed to train under any distribution, DataParallel
-included.
-
-`recorded_local_layouts` installs, for the time of a step, a DTensor
-handler for `cat` that dispatches it as DTensor does and copies the local
-result into the recorded layout where the two differ: the same values,
-and a copy in the cases that would otherwise fail. Inside a step, each
-`cat` of DTensors takes DTensor's Python dispatch path instead of its
-C++ one (about 20 µs more per call on CPU). Outside a step, DTensor is
-left as it is. A handler the process installed for `cat` itself is
-kept.
+`recorded_local_layouts`, which `created_tensors` enters for the time of a
+step, installs a DTensor handler for `cat` that dispatches it as DTensor
+does and copies the local result into the recorded layout where the two
+differ: the same values, and a copy in the cases that would otherwise
+fail. Outside a step, DTensor is left as it is. A handler the process
+installed for `cat` itself is kept. Collectives: none of its own; those
+of DTensor's dispatch of `cat` are issued as before.
 
 Torch gap: torch 2.11 and 2.13 (not reported upstream yet). It can go
 once DTensor lays local `cat` results out as it records them.
@@ -38,6 +23,20 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+# Torch leaves the strides of size-1 dimensions free, and the global and
+# local computations may set them differently (`view` derives them from the
+# shape around them). Most ops lay their result out from the order of the
+# other dimensions' strides, so the two still agree. `cat` does not: it
+# takes its result's memory format from its inputs' suggested format, and
+# that suggestion reads the strides of size-1 dimensions too. Where the
+# local inputs look `channels_last` and the global ones do not, the local
+# result is `channels_last` while DTensor records it contiguous.
+#
+# Keras steps meet this in the backward of Gemma's rotary embedding with
+# one key/value head (Gemma 2B's multi-query attention): `split`'s gradient
+# is a `cat` of 4-D gradients whose head dimension has size 1, and the
+# query projection's `einsum` views the result. Every model of that shape
+# failed to train under any distribution, DataParallel included.
 _CAT = torch.ops.aten.cat.default
 
 
@@ -49,6 +48,8 @@ def recorded_local_layouts():
     if _CAT in handlers:
         yield
         return
+    # Inside a step, each `cat` of DTensors takes DTensor's Python dispatch
+    # path instead of its C++ one (about 20 µs more per call on CPU).
     handlers[_CAT] = _cat_in_recorded_layout
     try:
         yield

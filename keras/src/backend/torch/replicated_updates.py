@@ -3,35 +3,18 @@
 Under a data-parallel distribution every variable is a replicated DTensor,
 and after the gradient buckets every gradient is one too. An optimizer
 step then reads and writes only replicated values, and so do the results
-of metrics, which read only the metrics' variables: DTensor runs each of
-their operators on each process's local tensor, which holds the whole
-value, the same operator on the same values everywhere, with no
-communication. Its dispatch buys nothing, and an optimizer step is
-dozens of operators over lists of tensors.
+of metrics, which read only the metrics' variables. `call_on_local_tensors`
+runs such a computation on the local tensors directly, where DTensor's
+dispatch buys nothing. Callers, through `keras_dtensor`'s edits under a
+distribution: `TorchOptimizer.apply` (`apply_on_local_tensors`), a `Mean`'s
+or `Sum`'s `update_state` (`update_on_local_tensors`) and
+`Trainer.get_metrics_result` (`result_on_local_tensors`).
 
-`call_on_local_tensors` runs such a computation on the local tensors
-directly: while it runs, every variable it may read holds its local
-tensor as its value (for an optimizer step, `apply_on_local_tensors`:
-the trainable variables and the optimizer's own, iterations, learning
-rate, slots and accumulators, with the gradients passed as their local
-tensors; for metric results, `result_on_local_tensors`: the metrics'
-variables). Updates write into the local tensors, which are the
-DTensors' own storage, so the variables hold the updated values when
-their DTensor values are put back. Tensors the computation creates stay
-plain (the step's `replicate_created_tensors` mode is suspended), as in
-a single-process step; metric results are plain tensors, equal on every
-process.
-
-The values are those of the DTensor computation: with replicated
-operands only, DTensor's sharding propagation makes every output
-replicated and computes it with the same local operator. Any other case
-(a sharded variable or gradient, a partial gradient, a variable that is
-not a DTensor, a stateless scope, a compiled step) runs on DTensors as
-before.
-
-An update (an optimizer step, a metric's `update_state`) counts as an
-effect for `batch_local`, as an assignment on DTensors does: a layer call
-watched while it updated a metric this way keeps running on DTensors.
+Contract: the values are those of the DTensor computation. Where some
+operand is not replicated (see `held_values`), the computation runs on
+DTensors as before. An update (an optimizer step, a metric's
+`update_state`) counts as an effect for `batch_local`, as an assignment on
+DTensors does.
 
 Collectives: none, here or in the DTensor computation it replaces,
 except the all-reduce of a partial value passed to a metric update, which
@@ -71,9 +54,13 @@ def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
         trainable = optimizer._trainable_variables
         if variables is not None:
             trainable = variables
+        # Every variable the step may read: the trainable variables and
+        # the optimizer's own (iterations, learning rate, slots and
+        # accumulators).
         held = held_values(list(trainable) + optimizer.variables, grads)
     if held is None:
         return upstream_apply(optimizer, grads, variables)
+    # The gradients are passed as their local tensors.
     local_grads = [None if g is None else g._local_tensor for g in grads]
     # Assigns to DTensor variables (`update_on_local_tensors`).
     local_call_checks.note_effect()
@@ -93,6 +80,7 @@ def result_on_local_tensors(trainer, upstream_get_metrics_result):
         The results, or None where some variable is not replicated (the
         caller then computes them on DTensors).
     """
+    # Every variable the results may read: the metrics' variables.
     held = held_values(trainer.metrics_variables)
     if held is None:
         return None
@@ -122,6 +110,8 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     Returns:
         What `upstream_update` returns.
     """
+    # The one collective here: the all-reduce of a partial value, which the
+    # update on DTensors issues too.
     values = batch_reductions.whole_value(values)
     sample_weight = batch_reductions.whole_value(sample_weight)
     tensors = [
@@ -140,7 +130,8 @@ def update_on_local_tensors(metric, upstream_update, values, sample_weight):
     )
     update = functools.partial(upstream_update, sample_weight=sample_weight)
     # Assigns to DTensor variables, as the update on DTensors does: a layer
-    # call that makes it cannot run on local shards.
+    # call that makes it cannot run on local shards (a layer call watched
+    # while it updated a metric this way keeps running on DTensors).
     local_call_checks.note_effect()
     return call_on_local_tensors(held, update, metric, values)
 
@@ -156,6 +147,9 @@ def held_values(variables, tensors=()):
     compilation, and outside a distributed step or in one whose torch
     function mode is the innermost.
     """
+    # Any other case (a sharded variable or gradient, a partial gradient, a
+    # variable that is not a DTensor, a stateless scope, a compiled step)
+    # runs on DTensors as before.
     if (
         torch.compiler.is_compiling()
         or in_stateless_scope()
@@ -177,6 +171,9 @@ def held_values(variables, tensors=()):
             replicated = (Replicate(),) * len(placements)
         if placements != replicated and not _whole_locally(tensor):
             return None
+    # The values are those of the DTensor computation: with replicated
+    # operands only, DTensor's sharding propagation makes every output
+    # replicated and computes it with the same local operator.
     return held
 
 
@@ -203,16 +200,29 @@ def call_on_local_tensors(held, function, *args):
         function: the function.
         *args: its arguments.
     """
+    # Tensors the computation creates stay plain (the step's
+    # `replicate_created_tensors` mode is suspended), as in a
+    # single-process step; metric results are plain tensors, equal on
+    # every process.
     if created_tensors.replicating_created_tensors():
         suspended = created_tensors.suspended()
     else:
         suspended = contextlib.nullcontext()
     try:
+        # While it runs, every variable it may read holds its local tensor
+        # as its value. DTensor would run each operator on each process's
+        # local tensor, which holds the whole value, the same operator on
+        # the same values everywhere, with no communication. Its dispatch
+        # buys nothing, and an optimizer step is dozens of operators over
+        # lists of tensors.
         for variable, value in held:
             variable._value = value._local_tensor
         with suspended:
             return function(*args)
     finally:
-        # In reverse: a variable listed twice gets its first value back.
+        # Updates wrote into the local tensors, which are the DTensors' own
+        # storage, so the variables hold the updated values when their
+        # DTensor values are put back. In reverse: a variable listed twice
+        # gets its first value back.
         for variable, value in reversed(held):
             variable._value = value

@@ -5,27 +5,17 @@ shared seed and keeps its slice of it: a large embedding is built in full
 (with the initializer's temporaries, several times over) on every device.
 Here a process runs the variable's initializer on bounded chunks of rows,
 keeps the part of each chunk in its shard, and never holds more than its
-shard plus one chunk's working buffer.
+shard plus one chunk's working buffer. Called by `keras_dtensor`'s
+`Variable._initialize_with_initializer` edit, for a variable with a
+layout, through `distribution_lib.initialize_variable_shard`.
 
-The values are bit-identical to the full path's. The initializer runs with
-the variable's full shape (its fans and scales are those of the variable),
-inside `_ChunkedDraws`, a torch function mode that is active only while it
-runs: the one random draw of the initializer, and the factories of the
-variable's shape, return the rows of the current chunk instead of the full
-tensor. The draw's rows come from one generator that advances through the
-variable's random stream in order, as the full draw would (on CPU, torch
-draws uniform values one after another, and normal values in groups of 16
-from them, so a stream read in pieces of whole groups gives the same
-values). Everything else the initializer does is elementwise on its rows.
-
-That holds for Keras's random initializers (normal, uniform, truncated
-normal and the variance-scaling family: Glorot, He, LeCun), seeded with an
-integer (a seed of `None` is drawn as one), and for `Zeros`, `Ones` and
-`Constant`, with float32 variables on CPU. Anything else (an initializer
-that mixes rows, such as `Orthogonal`; a `SeedGenerator` seed; other
-dtypes; CUDA, whose generator does not split into pieces this way) takes
-the full path, which is logged once at INFO per initializer class. Small
-variables take the full path too: one chunk is the whole variable there.
+Contract: the values are bit-identical to the full path's (`_ChunkedDraws`,
+`_RandomStream`). That holds for Keras's random initializers seeded with
+an integer, and for `Zeros`, `Ones` and `Constant`, with float32
+variables on CPU. Anything else takes the full path
+(`initialize_variable_shard` returns `None`; see `_why_not_splittable`),
+which is logged once at INFO per initializer class. Small variables take
+the full path too.
 
 No collective is issued: each process reads the same random stream.
 """
@@ -49,7 +39,11 @@ from keras.src.backend.torch.created_tensors import replicating_created_tensors
 CHUNK_BYTES = 4 * 1024 * 1024
 # Random values drawn and dropped at once when skipping rows of the stream.
 _SKIP_VALUES = 1024 * 1024
-# Normal values are drawn from uniform ones in groups of this many.
+# Normal values are drawn from uniform ones in groups of this many. The
+# draw's rows come from one generator that advances through the variable's
+# random stream in order, as the full draw would (on CPU, torch draws
+# uniform values one after another, and normal values in groups of 16 from
+# them, so a stream read in pieces of whole groups gives the same values).
 _NORMAL_GROUP = 16
 
 _FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
@@ -114,16 +108,20 @@ def _why_not_splittable(initializer, shape, dtype, layout):
     """Why the variable takes the full path, or `None` if it need not."""
     if not any(p.is_shard() for p in layout.placements):
         return "replicated"
+    # Small variables take the full path: one chunk is the whole variable.
     if len(shape) == 0 or math.prod(shape) * 4 <= CHUNK_BYTES:
         return "small"
+    # CUDA's generator does not split into pieces as CPU's does.
     if layout.mesh.device_type != "cpu":
         return f"the {layout.mesh.device_type} generator"
     if dtype != torch.float32:
         return f"dtype {dtype}"
     if replicating_created_tensors():
         return "created inside a distributed step"
+    # E.g. an initializer that mixes rows, such as `Orthogonal`.
     if not _splits_into_rows(initializer):
         return f"initializer {type(initializer).__name__}"
+    # Seeded with an integer (a seed of `None` is drawn as one).
     if not isinstance(getattr(initializer, "seed", 0), int):
         return "a SeedGenerator seed"
     return None
@@ -141,7 +139,10 @@ def _splits_into_rows(initializer):
             and np.ndim(initializer.value) == 0
         )
     # Initializer classes whose values split into rows exactly, as long as
-    # `__call__` is theirs (a subclass with its own may mix rows).
+    # `__call__` is theirs (a subclass with its own may mix rows): normal,
+    # uniform, truncated normal and the variance-scaling family (Glorot,
+    # He, LeCun). Everything such an initializer does besides its one random
+    # draw is elementwise on its rows.
     splittable = (
         initializers.RandomNormal,
         initializers.RandomUniform,
@@ -205,6 +206,9 @@ class _ChunkedDraws(TorchFunctionMode):
         """The initializer's rows `start:end` of the variable."""
         self.rows = (start, end)
         self.draws = 0
+        # The initializer runs with the variable's full shape (its fans and
+        # scales are those of the variable); this mode is active only while
+        # it runs.
         with self:
             value = initializer(self.shape, dtype=dtype)
         if self.draws > 1 or tuple(value.shape) != self._chunk(self.shape):
