@@ -16,8 +16,6 @@ by the probes on the releases the torch matrix runs (2.11 and 2.13).
 
 import dataclasses
 
-import torch
-
 # The newest torch the probes ran on: a gap still open there is listed up
 # to it, and a newer torch that still has it fails the test until the
 # entry says so.
