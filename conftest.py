@@ -7,6 +7,8 @@ path so that tests can `import harness`, the multi-process launcher.
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("KERAS_BACKEND", "torch")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -20,3 +22,12 @@ sys.path.insert(
 # Import keras before pytest imports the in-tree test modules, so that their
 # `keras.src...` names resolve to the installed keras (plus the mount).
 import keras  # noqa: E402, F401
+
+
+@pytest.fixture
+def distribution():
+    """DataParallel on this process's one device, set for the test."""
+    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
+    keras.distribution.set_distribution(distribution)
+    yield distribution
+    keras.distribution.set_distribution(None)

@@ -1,26 +1,10 @@
 """Tests of the edits for keras-nightly (`_nightly_edits.py`) and of
 moved modules, each in a fresh interpreter."""
 
-import json
 import os
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_python(code, backend="torch"):
-    env = dict(os.environ, KERAS_BACKEND=backend)
-    completed = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def test_a_moved_module_is_served_under_its_old_name(tmp_path, monkeypatch):

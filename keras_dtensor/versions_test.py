@@ -1,27 +1,11 @@
 """Tests of the version gate (`_versions.py`), each in a fresh interpreter."""
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_python(code, backend="torch"):
-    env = dict(os.environ, KERAS_BACKEND=backend)
-    completed = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def test_unsupported_version_gives_one_clear_error(monkeypatch):

@@ -4,7 +4,6 @@ import copy
 import copyreg
 import pickle
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch._inductor import config as inductor_config
@@ -12,16 +11,7 @@ from torch._inductor.codecache import FxGraphCachePickler
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.device_mesh import DeviceMesh
 
-import keras
 from keras.src.backend.torch import compile_cache_keys
-
-
-@pytest.fixture
-def distribution():
-    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
-    keras.distribution.set_distribution(distribution)
-    yield distribution
-    keras.distribution.set_distribution(None)
 
 
 def test_process_group_cache_key_names_every_group(distribution):

@@ -4,22 +4,12 @@ A one-process mesh makes every value a DTensor, as on many processes.
 """
 
 import numpy as np
-import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
 
-import keras
 from keras.src.backend.torch import compiled_graph_outputs
-
-
-@pytest.fixture
-def distribution():
-    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
-    keras.distribution.set_distribution(distribution)
-    yield distribution
-    keras.distribution.set_distribution(None)
 
 
 def capture_graphs(graphs):

@@ -20,17 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
 
-import keras
 from keras.src.backend.torch import compile_cache_keys
 from keras.src.backend.torch import compiled_step_backend
-
-
-@pytest.fixture
-def distribution():
-    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
-    keras.distribution.set_distribution(distribution)
-    yield distribution
-    keras.distribution.set_distribution(None)
 
 
 class CompileCalls(list):

@@ -20,14 +20,6 @@ STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
 
 @pytest.fixture
-def distribution():
-    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
-    keras.distribution.set_distribution(distribution)
-    yield distribution
-    keras.distribution.set_distribution(None)
-
-
-@pytest.fixture
 def inductor_calls(monkeypatch):
     yield from compiled_step_backend_test.inductor_stand_in(monkeypatch)
 

@@ -16,14 +16,6 @@ from keras.src.backend.torch import train_step_copies
 from keras.src.backend.torch.trainer import TorchTrainer
 
 
-@pytest.fixture
-def distribution():
-    distribution = keras.distribution.DataParallel(devices=["cpu:0"])
-    keras.distribution.set_distribution(distribution)
-    yield distribution
-    keras.distribution.set_distribution(None)
-
-
 def test_upstream_train_step_is_a_copied_one():
     source = inspect.getsource(TorchTrainer.train_step)
     digest = hashlib.sha256(source.encode()).hexdigest()

@@ -26,19 +26,8 @@ from keras.src import ops
 from keras.src import testing
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch import view_rules
+from keras.src.backend.torch.torch_probes import FakeMesh
 from keras.src.distribution import distribution_lib as distribution_api
-
-
-class FakeMesh:
-    """The parts of a `DeviceMesh` the rules read, for mesh shapes one
-    process cannot build."""
-
-    def __init__(self, shape):
-        self.shape = shape
-        self.ndim = len(shape)
-
-    def size(self, mesh_dim=None):
-        return self.shape[mesh_dim]
 
 
 def head_sharded(value, mesh, placements):
