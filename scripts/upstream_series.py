@@ -60,8 +60,14 @@ MODULE_PATCHES = (
     ),
     (
         "0002-torch-process-group.patch",
-        "torch: the distributed process group, timeout and shared seed",
-        [T + "process_group.py", T + "gloo_groups.py"],
+        "torch: the distributed process group, timeout and shared seed; "
+        "the one door to torch's internals",
+        [
+            T + "process_group.py",
+            T + "gloo_groups.py",
+            T + "torch_internals.py",
+            T + "torch_runtime.py",
+        ],
     ),
     (
         "0003-torch-dtensor-layouts.patch",
@@ -76,7 +82,6 @@ MODULE_PATCHES = (
             T + "attention_rules.py",
             T + "replicated_fallback.py",
             T + "strided_shard_sizes.py",
-            T + "torch_internals.py",
             T + "torch_probes.py",
             T + "torch_workarounds.py",
             T + "view_rules.py",

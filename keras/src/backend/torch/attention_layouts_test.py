@@ -13,7 +13,8 @@ def test_attention_placements_fit_local_shards():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import Partial
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from keras.src.backend.torch.torch_internals import StridedShard
 
     def placements(query_placements, mask_shape):
         query = types.SimpleNamespace(placements=query_placements)
@@ -30,7 +31,7 @@ def test_attention_placements_fit_local_shards():
     )
     # A sequence split, and a strided one, are replicated.
     assert placements((Shard(1),), (4, 1, 8, 8)) == ((R,), (R,))
-    strided = _StridedShard(2, split_factor=2)
+    strided = StridedShard(2, split_factor=2)
     assert placements((strided,), None) == ((R,), (R,))
     # Masks broadcast from the right: (heads, seq, seq), and no mask.
     assert placements((Shard(0),), (4, 8, 8)) == ((Shard(0),), (R,))

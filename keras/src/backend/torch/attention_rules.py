@@ -22,10 +22,11 @@ import torch
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSpec
-from torch.distributed.tensor._op_schema import OpStrategy
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSpec
+from keras.src.backend.torch.torch_internals import OpStrategy
+from keras.src.backend.torch.torch_internals import generate_redistribute_costs
 
 
 def rules():

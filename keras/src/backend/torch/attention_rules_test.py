@@ -11,15 +11,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._op_schema import OpSpec
-from torch.distributed.tensor._op_schema import OpStrategy
 
 from keras.src import testing
 from keras.src.backend.torch import attention_rules
 from keras.src.backend.torch import sharding_rules
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSchema
+from keras.src.backend.torch.torch_internals import OpSpec
+from keras.src.backend.torch.torch_internals import OpStrategy
+from keras.src.backend.torch.torch_internals import TensorMeta
 from keras.src.distribution import distribution_lib as distribution_api
 
 

@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import process_group
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import StridedShard
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 
 def distribute_global_batch(global_batch, layout):
@@ -364,7 +364,7 @@ def _global_batch_from_parts(local, layout, part_shapes):
             stride=dtensor_layouts.contiguous_strides(global_shape),
         )
     if len(batch_dims) != 1 or isinstance(
-        layout.placements[batch_dims[0]], _StridedShard
+        layout.placements[batch_dims[0]], StridedShard
     ):
         raise ValueError(
             "Per-process batches of different sizes "

@@ -36,6 +36,7 @@ from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
+from keras.src.backend.torch import torch_internals
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -121,7 +122,7 @@ def _signature(value, leaves):
         leaves.append(value)
         # Read from the spec: a tensor's `shape` and `dtype` go through
         # the step's torch function mode.
-        spec = value._spec
+        spec = torch_internals.spec_of(value)
         meta = spec.tensor_meta
         return (DTensor, meta.shape, meta.dtype, spec.placements)
     if isinstance(value, _SCALARS):

@@ -39,13 +39,15 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import local_calls
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 # Reductions whose global value the local ones add up to (with a scale).
 _LOCAL_REDUCTIONS = ("sum", "sum_over_batch_size", "mean")
@@ -233,7 +235,7 @@ def call_loss(loss, upstream_call, y_true, y_pred, sample_weight):
     if key is None:
         return upstream_call(loss, y_true, y_pred, sample_weight)
     plan = _LOSS_PLANS.get(loss, key)
-    if plan is None or plan.mesh is not y_pred._spec.mesh:
+    if plan is None or plan.mesh is not torch_internals.spec_of(y_pred).mesh:
         return _call_noting_plan(
             loss, upstream_call, key, y_true, y_pred, sample_weight
         )
@@ -270,7 +272,7 @@ def _loss_key(loss, y_true, y_pred, sample_weight):
     )
     for argument in arguments:
         if (
-            argument._spec.mesh is not mode.mesh
+            torch_internals.spec_of(argument).mesh is not mode.mesh
             or getattr(argument, "_keras_mask", None) is not None
         ):
             return None
@@ -285,7 +287,7 @@ def _global_layout(value):
     """A DTensor's global shape, dtype and placements, read from its spec
     (a tensor's `shape` and `dtype` go through the step's torch function
     mode)."""
-    spec = value._spec
+    spec = torch_internals.spec_of(value)
     return spec.tensor_meta.shape, spec.tensor_meta.dtype, spec.placements
 
 
@@ -326,11 +328,11 @@ def _local_plan(values, sample_weight, mask, reduction):
         or torch.compiler.is_compiling()
     ):
         return None
-    spec = values._spec
+    spec = torch_internals.spec_of(values)
     if sample_weight is not None and (
         type(sample_weight) is not DTensor
-        or sample_weight._spec.placements != spec.placements
-        or sample_weight._spec.mesh != spec.mesh
+        or torch_internals.spec_of(sample_weight).placements != spec.placements
+        or torch_internals.spec_of(sample_weight).mesh != spec.mesh
         or sample_weight.shape[:1] != values.shape[:1]
     ):
         return None
@@ -407,9 +409,11 @@ class _UnreducedMean(torch.autograd.Function):
 def _whole_gradient(grad):
     """The whole value of a scalar's gradient, as a plain tensor."""
     if isinstance(grad, DTensor):
-        if {type(p) for p in grad._spec.placements} == {Replicate}:
+        if {type(p) for p in torch_internals.spec_of(grad).placements} == {
+            Replicate
+        }:
             # The whole value, on every process: no redistribution.
-            return grad._local_tensor
+            return torch_internals.local_tensor(grad)
         return grad.full_tensor()
     return grad
 
@@ -428,7 +432,7 @@ def whole_value(value):
     """
     if type(value) is not DTensor:
         return value
-    spec = value._spec
+    spec = torch_internals.spec_of(value)
     reduction = dtensor_layouts.additive_partial_dims(spec)
     if reduction is None:
         return value
@@ -455,7 +459,7 @@ def _all_reduce_sum(tensor, mesh, mesh_dim):
     than by `funcol.all_reduce`, whose wrapping is a custom operator for
     autograd's sake: the caller is an autograd function's forward.
     """
-    functional = torch.ops._c10d_functional
+    functional = torch_runtime.c10d_functional_ops()
     group_name = mesh.get_group(mesh_dim).group_name
     # Waited for where it is issued, before backward starts, as DTensor
     # waits for its own. Leaving a mean's all-reduce pending while

@@ -24,6 +24,7 @@ from keras.src.backend.torch import batch_local
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import torch_internals
 from keras.src.distribution import distribution_lib as distribution_api
 from keras.src.losses import loss as loss_module
 
@@ -293,7 +294,8 @@ class OneProcessBatchAxisTest(testing.TestCase):
         )
         unread = AsyncCollectiveTensor(torch.tensor(value))
         loss = dtensor_layouts.dtensor_from_spec(
-            unread, dtensor_layouts.copy_spec(replicated._spec)
+            unread,
+            dtensor_layouts.copy_spec(torch_internals.spec_of(replicated)),
         )
         return loss, unread
 
@@ -310,5 +312,5 @@ class OneProcessBatchAxisTest(testing.TestCase):
         )
         self.assertIs(
             dtensor_layouts.waited_local_tensor(replicated),
-            replicated._local_tensor,
+            torch_internals.local_tensor(replicated),
         )

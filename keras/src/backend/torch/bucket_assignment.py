@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from keras.src.backend.torch import gradient_bucket
 from keras.src.backend.torch import parameter_gradients
+from keras.src.backend.torch import torch_internals
 
 
 class BucketAssignment:
@@ -57,11 +58,12 @@ class BucketAssignment:
         key)`: the `partial_sum_reduction` (None if an all-reduce does
         not suffice) and the key of the bucket it joins.
         """
-        target = parameter._spec.placements
-        if grad._spec.placements == target:
+        target = torch_internals.spec_of(parameter).placements
+        grad_spec = torch_internals.spec_of(grad)
+        if grad_spec.placements == target:
             return None
-        mesh = grad._spec.mesh
-        reduction = self.reduction(mesh, grad._spec.placements, target)
+        mesh = grad_spec.mesh
+        reduction = self.reduction(mesh, grad_spec.placements, target)
         return reduction, bucket_key(mesh, reduction, grad.dtype)
 
     def local_plan(self, parameter, placements, local):
@@ -74,11 +76,11 @@ class BucketAssignment:
         kept = self._local_plans.get(parameter)
         if (
             kept is not None
-            and kept[0] is parameter._spec
+            and kept[0] is torch_internals.spec_of(parameter)
             and kept[1] is placements
         ):
             return kept
-        spec = parameter._spec
+        spec = torch_internals.spec_of(parameter)
         reduction = self.reduction(spec.mesh, placements, spec.placements)
         kept = (
             spec,

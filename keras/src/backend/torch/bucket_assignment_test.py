@@ -14,6 +14,7 @@ from keras.src.backend.torch import bucket_assignment
 from keras.src.backend.torch import distribution_lib
 from keras.src.backend.torch import reducer
 from keras.src.backend.torch import reducer_test
+from keras.src.backend.torch import torch_internals
 from keras.src.distribution import distribution_lib as distribution_api
 
 
@@ -68,11 +69,11 @@ class BucketAssignmentTest(testing.TestCase):
         placements = (Partial(),)
         attributes = set(vars(parameter))
         kept = assignment.local_plan(
-            parameter, placements, parameter._local_tensor
+            parameter, placements, torch_internals.local_tensor(parameter)
         )
         self.assertEqual(set(vars(parameter)), attributes)
         spec, kept_placements, reduction, key = kept
-        self.assertIs(spec, parameter._spec)
+        self.assertIs(spec, torch_internals.spec_of(parameter))
         self.assertIs(kept_placements, placements)
         self.assertEqual(reduction, ((0,), "sum"))
         self.assertEqual(
@@ -81,14 +82,14 @@ class BucketAssignmentTest(testing.TestCase):
         )
         self.assertIs(
             assignment.local_plan(
-                parameter, placements, parameter._local_tensor
+                parameter, placements, torch_internals.local_tensor(parameter)
             ),
             kept,
         )
         # Planned again for other placements, and dropped with the
         # parameter.
         other = assignment.local_plan(
-            parameter, (Partial(),), parameter._local_tensor
+            parameter, (Partial(),), torch_internals.local_tensor(parameter)
         )
         self.assertIsNot(other, kept)
         del parameter

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from keras.src.backend.torch import bucket_assignment
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import reducer
+from keras.src.backend.torch import torch_internals
 
 
 class Rider:
@@ -45,7 +46,11 @@ class Rider:
 
     def __init__(self, value, key, divisor):
         self.value_given = value
-        self.local = None if key is None else value._local_tensor.detach()
+        self.local = (
+            None
+            if key is None
+            else torch_internals.local_tensor(value).detach()
+        )
         self.key = key
         self.divisor = divisor
         self.reduced = None
@@ -55,7 +60,8 @@ class Rider:
         if self.divisor > 1:
             summed = summed / self.divisor
         self.reduced = dtensor_layouts.replicated_like(
-            summed.view(self.local.shape), self.value_given._spec
+            summed.view(self.local.shape),
+            torch_internals.spec_of(self.value_given),
         )
 
     def value(self):
@@ -98,7 +104,7 @@ def rider_of(value):
     """The `Rider` of `value`, with no bucket key unless it may ride."""
     if type(value) is not DTensor:
         return Rider(value, None, 1)
-    spec = value._spec
+    spec = torch_internals.spec_of(value)
     reduction = dtensor_layouts.additive_partial_dims(spec)
     if reduction is None:
         return Rider(value, None, 1)

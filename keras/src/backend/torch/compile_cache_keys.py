@@ -25,11 +25,11 @@ import glob
 import hashlib
 import os
 
-import torch
 import torch.distributed as dist
-from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.device_mesh import DeviceMesh
+
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 
 @contextlib.contextmanager
@@ -53,13 +53,17 @@ def aot_autograd_cache_keyed_by_process_groups():
     # (`scripts/torch_aot_cache_group_names.py` reproduces it in a few
     # lines of torch). Inductor's own cache is keyed on the lowered graph,
     # names included, and is right.
-    configured = inductor_config.post_grad_custom_post_pass
-    if configured is not None and not isinstance(configured, CustomGraphPass):
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+    configured = torch_runtime.inductor_config().post_grad_custom_post_pass
+    if configured is not None and not isinstance(
+        configured, torch_runtime.custom_graph_pass_class()
+    ):
+        with torch_runtime.autograd_cache_disabled():
             yield
         return
     keyed = ProcessGroupCacheKey(configured)
-    with inductor_config.patch(post_grad_custom_post_pass=keyed):
+    with torch_runtime.inductor_config().patch(
+        post_grad_custom_post_pass=keyed
+    ):
         yield
 
 
@@ -93,10 +97,10 @@ def compile_with_meshes_pickled_without_hash(*args, **kwargs):
     after the backend has returned; inductor keys its cache entry of that
     graph in here.
     """
-    from torch._inductor import compile_fx
-
     with device_meshes_pickled_without_hash():
-        return compile_fx.compile_fx_inner(*args, **kwargs)
+        return torch_runtime.compile_fx_module().compile_fx_inner(
+            *args, **kwargs
+        )
 
 
 def _reduce_mesh_without_hash(mesh):
@@ -105,12 +109,11 @@ def _reduce_mesh_without_hash(mesh):
     As by default, unpickling makes the mesh, then sets its state
     (`DeviceMesh.__setstate__`): it needs nothing from this module.
     """
-    state = mesh.__getstate__()
-    state.pop("_hash", None)
+    state = torch_internals.mesh_pickle_state(mesh)
     return copyreg.__newobj__, (type(mesh),), state
 
 
-class ProcessGroupCacheKey(CustomGraphPass):
+class ProcessGroupCacheKey(torch_runtime.custom_graph_pass_class()):
     """A post-grad pass that only carries the cache key AOT autograd misses.
 
     Running it runs the pass it wraps, if any. Its `uuid()` is that pass's
@@ -152,10 +155,8 @@ def process_group_cache_key():
     """
     if not dist.is_initialized():
         return (None, ())
-    world = dist.distributed_c10d._world
     groups = []
-    for group, name in world.pg_names.items():
-        ranks = world.pg_group_ranks.get(group, {})
+    for _, name, ranks in torch_runtime.process_group_names():
         in_order = tuple(sorted(ranks, key=ranks.get))
         groups.append((name, in_order))
     return (dist.get_rank(), tuple(sorted(groups)))

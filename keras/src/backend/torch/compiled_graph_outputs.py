@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 
 def _storage_of(node):
@@ -28,7 +30,7 @@ def _storage_of(node):
 
     value = node.meta.get("example_value")
     if isinstance(value, DTensor):
-        value = value._local_tensor
+        value = torch_internals.local_tensor(value)
     if not isinstance(value, torch.Tensor):
         return None
     return StorageWeakRef(value.untyped_storage())
@@ -36,9 +38,7 @@ def _storage_of(node):
 
 def _fake_clone(value):
     """Clones a graph's example DTensor in its fake tensor mode."""
-    from torch._subclasses.fake_tensor import maybe_get_fake_mode
-
-    with maybe_get_fake_mode(value._local_tensor):
+    with torch_runtime.fake_mode_of(torch_internals.local_tensor(value)):
         return value.clone()
 
 
@@ -111,7 +111,7 @@ def _dtensor_metadata(value):
         value.placements,
         value.shape,
         value.stride(),
-        value._local_tensor.shape,
+        torch_internals.local_tensor(value).shape,
         value.dtype,
         value.device,
     )

@@ -27,6 +27,7 @@ import torch
 
 from keras.src.backend.torch import compile_cache_keys
 from keras.src.backend.torch import compiled_graph_outputs
+from keras.src.backend.torch import torch_runtime
 
 
 def compile_step_function(step_fn):
@@ -63,14 +64,12 @@ def distributed_step_backend(graph_module, example_inputs):
     Returns:
         The compiled function of the graph's inputs.
     """
-    from torch._dynamo.backends.registry import lookup_backend
-
     compiled_graph_outputs.clone_aliased_dtensor_outputs(graph_module)
     with (
         compile_cache_keys.aot_autograd_cache_keyed_by_process_groups(),
         compile_cache_keys.device_meshes_pickled_without_hash(),
     ):
-        compiled = lookup_backend("inductor")(
+        compiled = torch_runtime.compiler_backend("inductor")(
             graph_module,
             example_inputs,
             inner_compile=(

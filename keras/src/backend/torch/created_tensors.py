@@ -28,9 +28,6 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.torch import argument_layouts
@@ -40,9 +37,14 @@ from keras.src.backend.torch import in_place_writes
 from keras.src.backend.torch import local_rows
 from keras.src.backend.torch import python_values
 from keras.src.backend.torch import sharded_lookups
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
 from keras.src.backend.torch.local_layouts import recorded_local_layouts
 from keras.src.backend.torch.sharded_lookups import reduce_lookup_result
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import MaskPartial
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 # The contexts' state, per thread (as torch function modes are), read
 # with `getattr` defaults: `active` (whether `replicate_created_tensors`
@@ -143,9 +145,9 @@ def creating_variable():
     initializers run as they run outside a build (sharded variables shard
     by shard, `sharded_initialization`). Elsewhere it does nothing."""
     mode = _build_mode()
-    if mode is None or torch.overrides._get_current_function_mode() is not mode:
+    if mode is None or torch_runtime.current_function_mode() is not mode:
         return contextlib.nullcontext()
-    return torch.overrides._pop_mode_temporarily()
+    return torch_runtime.function_mode_popped()
 
 
 def _build_mode():
@@ -173,7 +175,7 @@ def current_mode():
     if not replicating_created_tensors():
         return None
     mode = _STATE.mode
-    if torch.overrides._get_current_function_mode() is not mode:
+    if torch_runtime.current_function_mode() is not mode:
         return None
     return mode
 
@@ -194,12 +196,12 @@ class _Suspended:
     step)."""
 
     def __enter__(self):
-        self.mode = torch._C._pop_torch_function_stack()
+        self.mode = torch_runtime.pop_function_mode()
         _STATE.active = False
 
     def __exit__(self, *exc_info):
         _STATE.active = True
-        torch._C._push_on_torch_function_stack(self.mode)
+        torch_runtime.push_function_mode(self.mode)
 
 
 def draw_count():
@@ -228,8 +230,8 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
             value = _HANDLERS[func](self, func, args, kwargs)
         else:
             value = func(*args, **kwargs)
-        if type(value) is DTensor and _MaskPartial in map(
-            type, value._spec.placements
+        if type(value) is DTensor and MaskPartial in map(
+            type, torch_internals.spec_of(value).placements
         ):
             return reduce_lookup_result(value)
         return value
@@ -290,7 +292,7 @@ class _CompiledReplicateCreatedTensors(_ReplicateCreatedTensors):
         else:
             value = func(*args, **kwargs)
         if isinstance(value, DTensor) and any(
-            isinstance(p, _MaskPartial) for p in value.placements
+            isinstance(p, MaskPartial) for p in value.placements
         ):
             return reduce_lookup_result(value)
         return value

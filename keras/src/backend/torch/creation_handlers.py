@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import distribute_tensor
 
 from keras.src import tree
+from keras.src.backend.torch import torch_internals
 
 
 def _create(mode, func, args, kwargs):
@@ -153,7 +154,8 @@ def _holds_tensor(value):
     """
     if isinstance(value, torch.Tensor):
         return not (
-            type(value) is DTensor and not value._spec.tensor_meta.shape
+            type(value) is DTensor
+            and not torch_internals.spec_of(value).tensor_meta.shape
         )
     if isinstance(value, dict):
         value = value.values()

@@ -53,6 +53,7 @@ from keras.src.backend.torch import process_group
 from keras.src.backend.torch import reducer
 from keras.src.backend.torch import sharded_initialization
 from keras.src.backend.torch import sharding_rules
+from keras.src.backend.torch import torch_internals
 
 # What other modules and Keras code reach through this module.
 from keras.src.backend.torch.batch_distribution import distribute_data  # noqa: F401
@@ -314,11 +315,11 @@ def assign_to_variable(parameter, value):
         value: a torch tensor, numpy array or DTensor of the same shape.
     """
     local_call_checks.note_effect()
-    spec = parameter._spec
+    spec = torch_internals.spec_of(parameter)
     replicated = (Replicate(),) * len(spec.placements)
     if not isinstance(value, DTensor) and spec.placements == replicated:
         # Every process holds the whole value: no slicing to do.
-        local = parameter._local_tensor
+        local = torch_internals.local_tensor(parameter)
         with torch.no_grad():
             local.copy_(torch.as_tensor(value, device=local.device))
         return

@@ -11,14 +11,16 @@ redistributes a DTensor (a collective every process must run).
 import collections
 import math
 
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch.torch_internals import AsyncCollectiveTensor
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import StridedShard
 
 # The backend form of a `TensorLayout`: the torch mesh, one placement per
 # mesh axis, and the Keras axes and mesh it came from (for error messages).
@@ -69,7 +71,7 @@ def axes_to_placements(axes, device_mesh):
             if split_factor == 1 or mesh_shape[mesh_dim] == 1:
                 placements[mesh_dim] = Shard(tensor_dim)
             else:
-                placements[mesh_dim] = _StridedShard(
+                placements[mesh_dim] = StridedShard(
                     tensor_dim, split_factor=split_factor
                 )
     return tuple(placements)
@@ -176,7 +178,7 @@ def waited_local_tensor(value):
     returned: operators reading it then run without the wrapper's Python
     dispatch, each of which would check it again.
     """
-    local = value._local_tensor
+    local = torch_internals.local_tensor(value)
     if type(local) is AsyncCollectiveTensor:
         return local.trigger_wait()
     return local

@@ -4,11 +4,11 @@ import numpy as np
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import testing
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import StridedShard
 from keras.src.distribution import distribution_lib as distribution_api
 
 
@@ -47,7 +47,7 @@ class PlacementsTest(testing.TestCase):
         )
         # `model` is the major axis: `batch` splits within each model chunk.
         self.assertEqual(
-            placements, (_StridedShard(1, split_factor=4), Shard(1))
+            placements, (StridedShard(1, split_factor=4), Shard(1))
         )
 
     def test_three_axes(self):
@@ -58,8 +58,8 @@ class PlacementsTest(testing.TestCase):
         self.assertEqual(
             placements,
             (
-                _StridedShard(0, split_factor=2),
-                _StridedShard(0, split_factor=2),
+                StridedShard(0, split_factor=2),
+                StridedShard(0, split_factor=2),
                 Shard(0),
             ),
         )

@@ -23,10 +23,10 @@ never reads is waited for when the call ends, raised or not.
 import os
 
 import torch
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import dtensor_layouts
+from keras.src.backend.torch import torch_internals
 
 # Consecutive small units are joined (`join_small_units`), as DDP fills a
 # bucket, while the joined unit's gathered bytes stay within this many MB
@@ -51,9 +51,11 @@ class UnitPlan:
         self.group = mesh.get_group(mesh_dim)
         self.world = mesh.size(mesh_dim)
         self.dims = [value.placements[mesh_dim].dim for value in values]
-        self.local_shapes = [value._local_tensor.shape for value in values]
+        self.local_shapes = [
+            torch_internals.local_tensor(value).shape for value in values
+        ]
         self.numels = [shape.numel() for shape in self.local_shapes]
-        self.specs = [value._spec for value in values]
+        self.specs = [torch_internals.spec_of(value) for value in values]
 
     def gather(self, shards):
         """The full values of local `shards`, by one all-gather."""
@@ -69,7 +71,9 @@ class UnitPlan:
         # an asynchronous gather, this input is a new flat copy of the
         # shards.
         flat = torch.cat([shard.reshape(-1) for shard in shards])
-        return funcol.all_gather_tensor(flat, gather_dim=0, group=self.group)
+        return torch_internals.functional_collectives.all_gather_tensor(
+            flat, gather_dim=0, group=self.group
+        )
 
     def finish_gather(self, started):
         """The gathered rows, one per process, from `start_gather`'s
@@ -99,7 +103,7 @@ class UnitPlan:
         # the values were, and reduce-scattered in one collective back to
         # each variable's shards.
         summed = _wait(
-            funcol.reduce_scatter_tensor(
+            torch_internals.functional_collectives.reduce_scatter_tensor(
                 rows.reshape(-1), "sum", scatter_dim=0, group=self.group
             )
         )
@@ -111,7 +115,9 @@ class UnitPlan:
 
 def _wait(tensor):
     """The result of a functional collective, waited for."""
-    if isinstance(tensor, funcol.AsyncCollectiveTensor):
+    if isinstance(
+        tensor, torch_internals.functional_collectives.AsyncCollectiveTensor
+    ):
         return tensor.wait()
     return tensor
 
@@ -131,7 +137,9 @@ class StartedGather:
 
     def __init__(self, plan, values):
         self.values = values
-        self.rows = plan.start_gather([value._local_tensor for value in values])
+        self.rows = plan.start_gather(
+            [torch_internals.local_tensor(value) for value in values]
+        )
 
     def wait(self):
         """Waits for the gather (of a prefetch that was never read)."""

@@ -28,8 +28,9 @@ import contextlib
 import datetime
 import os
 
-import torch
 from torch.distributed import distributed_c10d
+
+from keras.src.backend.torch import torch_runtime
 
 WORKER_THREADS = 1
 
@@ -60,10 +61,9 @@ def _one_thread_class(torch_class):
         def __init__(
             self, store, rank, size, timeout=datetime.timedelta(minutes=30)
         ):
-            options = torch_class._Options()
-            options._devices = _devices(torch_class)
-            options._threads = WORKER_THREADS
-            options._timeout = timeout
+            options = torch_runtime.gloo_options(
+                torch_class, _devices(torch_class), WORKER_THREADS, timeout
+            )
             super().__init__(store, rank, size, options)
 
     return OneWorkerThreadGloo
@@ -83,4 +83,4 @@ def _devices(torch_class):
 
 def worker_threads(group):
     """The worker threads of `group`'s gloo backend."""
-    return group._get_backend(torch.device("cpu")).options._threads
+    return torch_runtime.gloo_worker_threads(group)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from keras.src.backend.torch import parameter_gradients
+from keras.src.backend.torch import torch_internals
 
 # The reductions a bucket's all-reduce performs, by partial-sum reduce op
 # (an average is a sum divided after it).
@@ -140,7 +141,7 @@ class Bucket:
             )
             offset += local_shape.numel()
             if id(parameter) in assigned:
-                parameter.grad._local_tensor.add_(local)
+                torch_internals.local_tensor(parameter.grad).add_(local)
                 continue
             if parameter.grad is not None:
                 local = parameter_gradients.accumulated(parameter, local)

@@ -29,7 +29,8 @@ torch function mode (`created_tensors`), on every process alike.
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor._utils import (
+
+from keras.src.backend.torch.torch_internals import (
     compute_local_shape_and_global_offset,
 )
 

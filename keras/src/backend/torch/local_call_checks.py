@@ -28,13 +28,15 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_variables
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 from keras.src.backend.torch import unit_gathering
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 
 class LocalCallPlan:
@@ -149,7 +151,7 @@ class _BeforeCall:
 
 def _sequence_numbers(groups):
     """The collectives issued so far on each process group."""
-    return [group._get_sequence_number_for_group() for group in groups]
+    return [torch_runtime.sequence_number(group) for group in groups]
 
 
 def _variable_versions(layer, placements):
@@ -164,7 +166,9 @@ def _variable_versions(layer, placements):
         value = variable._value
         if not unit_gathering.readable_locally(value, placements):
             return None
-        versions.append((value, value._local_tensor._version))
+        versions.append(
+            (value, torch_runtime.version(torch_internals.local_tensor(value)))
+        )
     return versions
 
 
@@ -225,7 +229,14 @@ class UnshardedVariables:
                 variable._value = full
                 unsharded[id(variable)] = value
                 self.swapped.append(
-                    (variable, value, full, full._local_tensor._version)
+                    (
+                        variable,
+                        value,
+                        full,
+                        torch_runtime.version(
+                            torch_internals.local_tensor(full)
+                        ),
+                    )
                 )
         except BaseException:
             self._restore()
@@ -243,7 +254,10 @@ class UnshardedVariables:
             unsharded.pop(id(variable), None)
             if variable._value is full:
                 variable._value = value
-            if full._local_tensor._version != version:
+            if (
+                torch_runtime.version(torch_internals.local_tensor(full))
+                != version
+            ):
                 changed.append(variable.path)
         return changed
 
@@ -415,7 +429,7 @@ def _output_spec(leaf, mesh):
     gradient_placements = tuple(
         Replicate() if p.is_partial() else p for p in leaf.placements
     )
-    return (leaf._local_tensor.shape, spec, gradient_placements)
+    return (torch_internals.local_tensor(leaf).shape, spec, gradient_placements)
 
 
 def tensor_leaves(value):

@@ -36,20 +36,20 @@ from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_variables
 from keras.src.backend.torch import local_views
 from keras.src.backend.torch import reshard_after_forward
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 
 def saved_tensors_hooked():
     """Whether autograd's saved tensors pass through hooks (e.g. remat)."""
-    return (
-        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    )
+    return torch_runtime.saved_tensors_hooked()
 
 
 def computed_locally(value):
     """Whether `value`, a DTensor, is a local call's output, unchanged
     since: its local tensor is the one the call computed."""
     computed = local_call_state.caches().computed.get(value)
-    return computed is not None and computed[1] == value._version
+    return computed is not None and computed[1] == torch_runtime.version(value)
 
 
 def local_tensor_of(value):
@@ -64,13 +64,13 @@ def local_tensor_of(value):
     gradient).
     """
     computed = local_call_state.caches().computed.get(value)
-    if computed is not None and computed[1] == value._version:
+    if computed is not None and computed[1] == torch_runtime.version(value):
         return computed[0]
     if not value.requires_grad:
         # No gradient to route back (a batch of inputs): a new tensor
         # object on the same storage, as `to_local()` gives, without its
         # autograd function.
-        return value._local_tensor.detach()
+        return torch_internals.local_tensor(value).detach()
     return value.to_local()
 
 
@@ -112,7 +112,7 @@ def _as_dtensor(layer, local, output_spec, computed):
             "something other than its arguments and variables."
         )
     output = local_views.FromLocal.apply(local, spec, gradient_placements)
-    computed[output] = (local, output._version)
+    computed[output] = (local, torch_runtime.version(output))
     return output
 
 

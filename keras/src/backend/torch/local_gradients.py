@@ -27,8 +27,7 @@ import torch
 
 from keras.src.backend.torch import parameter_gradients
 from keras.src.backend.torch import reducer
-
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+from keras.src.backend.torch import torch_runtime
 
 
 def reduce_local_gradient(node, local, placements):
@@ -52,13 +51,16 @@ def reduce_local_gradient(node, local, placements):
         needs more than an all-reduce: the caller then hands autograd the
         gradient as a DTensor.
     """
-    if type(node) is not _ACCUMULATE_GRAD or torch.is_grad_enabled():
+    if (
+        type(node) is not torch_runtime.ACCUMULATE_GRAD
+        or torch.is_grad_enabled()
+    ):
         return False
     parameter = node.variable
     if not reducer.reduced_by_buckets(parameter):
         return False
     try:
-        if not torch._C._will_engine_execute_node(node):
+        if not torch_runtime.engine_will_execute(node):
             return False
     except RuntimeError:
         # `torch.autograd.grad` does not accumulate into leaves.

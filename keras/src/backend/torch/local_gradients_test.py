@@ -18,6 +18,7 @@ from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import local_gradients
 from keras.src.backend.torch import reducer
 from keras.src.backend.torch import reducer_test
+from keras.src.backend.torch import torch_internals
 
 
 @contextlib.contextmanager
@@ -46,7 +47,7 @@ class _LocalView(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, mesh):
         ctx.mesh = mesh
-        return value._local_tensor.detach()
+        return torch_internals.local_tensor(value).detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -66,7 +67,7 @@ def local_view(parameter, mesh):
 def gradient_leaf(parameter):
     """A local call's view of `parameter` in a step that accumulates."""
     return local_gradients.gradient_leaf(
-        parameter, (Partial(),), parameter._local_tensor
+        parameter, (Partial(),), torch_internals.local_tensor(parameter)
     )
 
 

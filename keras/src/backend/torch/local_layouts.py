@@ -21,7 +21,8 @@ once DTensor lays local `cat` results out as it records them.
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from keras.src.backend.torch import torch_internals
 
 # Torch leaves the strides of size-1 dimensions free, and the global and
 # local computations may set them differently (`view` derives them from the
@@ -44,7 +45,7 @@ _CAT = torch.ops.aten.cat.default
 def recorded_local_layouts():
     """Lays local `cat` results out as DTensor records them, inside the
     context; re-entrant, and per process (DTensor's handlers are)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = torch_internals.custom_op_handlers()
     if _CAT in handlers:
         yield
         return
@@ -59,12 +60,10 @@ def recorded_local_layouts():
 
 def _cat_in_recorded_layout(op_call, args, kwargs):
     """DTensor's `cat`, with its local result in the recorded layout."""
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = torch_internals.op_dispatcher()
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
-    local = dispatcher._dispatch_get_local_results_slow_path(
-        op_call, args, op_info
-    )
+    local = torch_internals.local_results(dispatcher, op_call, args, op_info)
     spec = op_info.output_sharding.output_spec
     return dispatcher.wrap(in_recorded_layout(local, spec), spec)
 

@@ -31,6 +31,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_gradients
 from keras.src.backend.torch import local_views
+from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import unit_gathering
 
 
@@ -115,12 +116,12 @@ class LocalVariableScope(StatelessScope):
             # No gradient to send back (a non-trainable variable): the
             # local tensor as `LocalView` gives it, without the autograd
             # function.
-            view = value._local_tensor.detach()
+            view = torch_internals.local_tensor(value).detach()
         self.state_mapping[id(variable)] = view
         if self.views is not None and view.requires_grad:
             self.views[id(variable)] = CachedView(
                 value,
-                value._local_tensor,
+                torch_internals.local_tensor(value),
                 view,
                 local_call_state.accumulating(),
             )
@@ -137,7 +138,7 @@ class LocalVariableScope(StatelessScope):
             and torch.is_grad_enabled()
         ):
             leaf = local_gradients.gradient_leaf(
-                value, spec.placements, value._local_tensor
+                value, spec.placements, torch_internals.local_tensor(value)
             )
             if leaf is not None:
                 return leaf
@@ -158,7 +159,7 @@ class LocalVariableScope(StatelessScope):
         value, local, view, accumulating = cached
         if (
             variable._value is not value
-            or value._local_tensor is not local
+            or torch_internals.local_tensor(value) is not local
             or not value.requires_grad
             or not torch.is_grad_enabled()
             # Views made for steps that accumulate may be gradient

@@ -18,6 +18,7 @@ from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_variables
 from keras.src.backend.torch import local_views
 from keras.src.backend.torch import reducer_test
+from keras.src.backend.torch import torch_internals
 
 
 class LocalVariablesTest(batch_local_test.LocalCallTestCase):
@@ -77,7 +78,7 @@ class LocalVariablesTest(batch_local_test.LocalCallTestCase):
             # An optimizer's in-place update of the local tensor, which
             # the cached view shares.
             with torch.no_grad():
-                dense.kernel.value._local_tensor.mul_(0.5)
+                torch_internals.local_tensor(dense.kernel.value).mul_(0.5)
         # One view, read again after each in-place update.
         self.assertIs(views[1], views[0])
         self.assertIs(views[2], views[0])

@@ -17,11 +17,12 @@ where they reduce it.
 """
 
 import torch
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import local_gradients
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 
 def tensor_spec(mesh, placements, tensor):
@@ -57,12 +58,12 @@ class FromLocal(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return None, None, None
-        if grad._spec.placements != ctx.placements:
+        if torch_internals.spec_of(grad).placements != ctx.placements:
             grad = grad.redistribute(grad.device_mesh, ctx.placements)
         if torch.is_grad_enabled():
             # Backward builds a graph: the gradient stays differentiable.
             return grad.to_local(), None, None
-        return grad._local_tensor, None, None
+        return torch_internals.local_tensor(grad), None, None
 
 
 class LocalView(torch.autograd.Function):
@@ -81,7 +82,7 @@ class LocalView(torch.autograd.Function):
         # autograd's sense, so that the optimizer's in-place updates of
         # the local tensor leave it this function's output (the views a
         # plan caches from step to step, `local_variables`).
-        return value._local_tensor.detach()
+        return torch_internals.local_tensor(value).detach()
 
     @staticmethod
     def backward(ctx, grad):

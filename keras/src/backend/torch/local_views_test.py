@@ -11,6 +11,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from keras.src import testing
 from keras.src.backend.torch import local_views
+from keras.src.backend.torch import torch_internals
 from keras.src.distribution import distribution_lib as distribution_api
 
 
@@ -25,7 +26,7 @@ class LocalViewsTest(testing.TestCase):
         mesh = self.mesh
         values = torch.arange(12.0).reshape(4, 3)
         reference = DTensor.from_local(values, mesh, [Shard(0)])
-        spec = reference._spec
+        spec = torch_internals.spec_of(reference)
         for gradient_placement in (Shard(0), Replicate()):
             grads = []
             for make in (
@@ -40,7 +41,7 @@ class LocalViewsTest(testing.TestCase):
                 self.assertEqual(out.placements, (Shard(0),))
                 self.assertEqual(out.shape, reference.shape)
                 self.assertEqual(out.stride(), reference.stride())
-                self.assertIsNot(out._spec, spec)
+                self.assertIsNot(torch_internals.spec_of(out), spec)
                 # The output's gradient arrives with these placements.
                 out.backward(
                     distribute_tensor(
@@ -56,7 +57,9 @@ class LocalViewsTest(testing.TestCase):
         # `from_local`'s.
         local = torch.ones(3, requires_grad=True)
         partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
-        out = local_views.FromLocal.apply(local, partial._spec, (Replicate(),))
+        out = local_views.FromLocal.apply(
+            local, torch_internals.spec_of(partial), (Replicate(),)
+        )
         out.sum().backward()
         np.testing.assert_array_equal(local.grad.numpy(), np.ones(3))
         # Where backward builds a graph, the gradient stays differentiable.
@@ -75,18 +78,18 @@ class LocalViewsTest(testing.TestCase):
             torch.arange(6.0).reshape(2, 3), self.mesh, [Replicate()]
         ).requires_grad_(True)
         spec = local_views.tensor_spec(
-            self.mesh, (Partial(),), value._local_tensor
+            self.mesh, (Partial(),), torch_internals.local_tensor(value)
         )
         view = local_views.LocalView.apply(value, spec)
         self.assertNotIsInstance(view, DTensor)
         self.assertEqual(
             view.untyped_storage().data_ptr(),
-            value._local_tensor.untyped_storage().data_ptr(),
+            torch_internals.local_tensor(value).untyped_storage().data_ptr(),
         )
         # The version counter is shared: in-place updates show.
         version = view._version
         with torch.no_grad():
-            value._local_tensor.add_(1.0)
+            torch_internals.local_tensor(value).add_(1.0)
         self.assertEqual(view._version, version + 1)
         (gradient,) = torch.autograd.grad((view * 2.0).sum(), value)
         self.assertEqual(tuple(gradient.placements), (Partial(),))

@@ -16,11 +16,12 @@ parameters. No collectives here but DTensor's own in
 """
 
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import local_call_state
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import TensorMeta
 
 
 class ParameterCache(local_call_state.WeakIdMap):
@@ -50,8 +51,9 @@ class GradientLayouts:
         parameter's are not, computed once per parameter spec.
         """
         kept = self._specs.get(parameter)
-        if kept is None or kept[0] is not parameter._spec:
-            kept = (parameter._spec, _contiguous_spec(parameter._spec))
+        spec = torch_internals.spec_of(parameter)
+        if kept is None or kept[0] is not spec:
+            kept = (spec, _contiguous_spec(spec))
             self._specs.set(parameter, kept)
         return dtensor_layouts.dtensor_from_spec(
             local, dtensor_layouts.copy_spec(kept[1])
@@ -79,9 +81,10 @@ def accumulated(parameter, local):
     grad = parameter.grad
     if (
         isinstance(grad, DTensor)
-        and grad._spec.placements == parameter._spec.placements
+        and torch_internals.spec_of(grad).placements
+        == torch_internals.spec_of(parameter).placements
     ):
-        return grad._local_tensor + local
+        return torch_internals.local_tensor(grad) + local
     return local
 
 

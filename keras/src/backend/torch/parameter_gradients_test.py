@@ -14,6 +14,7 @@ from keras.src import testing
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import parameter_gradients
 from keras.src.backend.torch import reducer_test
+from keras.src.backend.torch import torch_internals
 
 
 class ParameterCacheTest(testing.TestCase):
@@ -62,9 +63,17 @@ class GradientLayoutsTest(testing.TestCase):
         self.assertEqual(set(vars(parameter)), attributes)
         for grad in grads:
             self.assertIs(type(grad), DTensor)
-            self.assertEqual(grad._spec, parameter._spec)
-            self.assertIsNot(grad._spec, parameter._spec)
-        self.assertIsNot(grads[0]._spec, grads[1]._spec)
+            self.assertEqual(
+                torch_internals.spec_of(grad),
+                torch_internals.spec_of(parameter),
+            )
+            self.assertIsNot(
+                torch_internals.spec_of(grad),
+                torch_internals.spec_of(parameter),
+            )
+        self.assertIsNot(
+            torch_internals.spec_of(grads[0]), torch_internals.spec_of(grads[1])
+        )
 
     def test_a_non_contiguous_parameters_gradient_is_contiguous(self):
         layouts = parameter_gradients.GradientLayouts()
@@ -123,25 +132,29 @@ class DTensorFromSpecTest(testing.TestCase):
         (parameter,) = reducer_test.replicated_parameters(mesh, [(8, 4)])
         local = torch.arange(32, dtype=torch.float32).reshape(8, 4)
         made = dtensor_layouts.dtensor_from_spec(
-            local, copy.copy(parameter._spec)
+            local, copy.copy(torch_internals.spec_of(parameter))
         )
         constructed = DTensor(
-            local, copy.copy(parameter._spec), requires_grad=False
+            local,
+            copy.copy(torch_internals.spec_of(parameter)),
+            requires_grad=False,
         )
         for dtensor in (made, constructed):
             self.assertIs(type(dtensor), DTensor)
-            self.assertIs(dtensor._local_tensor, local)
+            self.assertIs(torch_internals.local_tensor(dtensor), local)
             self.assertFalse(dtensor.requires_grad)
             self.assertIsNone(dtensor.grad_fn)
         # A spec copy is `copy.copy`'s.
-        spec = parameter._spec
+        spec = torch_internals.spec_of(parameter)
         copied = dtensor_layouts.copy_spec(spec)
         self.assertIsNot(copied, spec)
         self.assertEqual(vars(copied), vars(copy.copy(spec)))
         self.assertEqual(hash(copied), hash(spec))
         # Whatever `DTensor.__init__` sets, the helper must set too.
         self.assertEqual(set(vars(made)), set(vars(constructed)))
-        self.assertEqual(made._spec, constructed._spec)
+        self.assertEqual(
+            torch_internals.spec_of(made), torch_internals.spec_of(constructed)
+        )
         self.assertEqual(made.shape, constructed.shape)
         self.assertEqual(made.stride(), constructed.stride())
         self.assertAllClose((made * 2).full_tensor().numpy(), 2 * local.numpy())

@@ -21,6 +21,7 @@ import uuid
 import torch.distributed as dist
 
 from keras.src.backend.torch import process_group
+from keras.src.backend.torch import torch_runtime
 
 SYNC_TIMEOUT_ENV_VAR = "KERAS_DTENSOR_SYNC_TIMEOUT_SECONDS"
 DEFAULT_SYNC_TIMEOUT_SECONDS = 60
@@ -255,7 +256,7 @@ def _wait_for_outcome(call):
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return torch_runtime.default_store()
 
 
 def _call_key(index):

@@ -37,6 +37,8 @@ from torch.distributed.tensor import DTensor
 from keras.src.backend.torch import bucket_assignment
 from keras.src.backend.torch import gradient_bucket
 from keras.src.backend.torch import parameter_gradients
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 BUCKET_CAP_ENV_VAR = "KERAS_DTENSOR_BUCKET_CAP_MB"
 DEFAULT_BUCKET_CAP_MB = 25
@@ -100,9 +102,7 @@ class Reducer:
             return True
         try:
             # Looked up at each call, so that a test may watch it.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                _finish_backward
-            )
+            torch_runtime.queue_engine_callback(_finish_backward)
         except RuntimeError:
             return False
         self.finalizer_queued = True
@@ -182,7 +182,7 @@ def reduce_gradient_when_ready(parameter):
         # The partial axes hold one process each: the partial sum is
         # whole, handed over as the same local tensor without a bucket.
         parameter.grad = state.layouts.like_parameter(
-            grad._local_tensor.contiguous(), parameter
+            torch_internals.local_tensor(grad).contiguous(), parameter
         )
         return
     pending = state.reducer
@@ -193,13 +193,13 @@ def reduce_gradient_when_ready(parameter):
         return
     # Backward hooks run without gradient tracking: the local tensor is
     # read directly (`to_local` would add an autograd node).
-    pending.add(parameter, grad._local_tensor, reduction, key)
+    pending.add(parameter, torch_internals.local_tensor(grad), reduction, key)
 
 
 def reduced_by_buckets(parameter):
     """Whether the parameter's gradients go through the buckets: it has
     `reduce_gradient_when_ready` as a post-accumulate-grad hook."""
-    hooks = parameter._post_accumulate_grad_hooks
+    hooks = torch_runtime.post_accumulate_grad_hooks(parameter)
     return hooks is not None and reduce_gradient_when_ready in hooks.values()
 
 

@@ -21,10 +21,10 @@ import logging
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.utils import _pytree as pytree
 
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 def install():
     """Puts the fallback in front of DTensor's propagation slow path;
     idempotent."""
-    dispatcher = DTensor._op_dispatcher
-    slow_path = dispatcher._propagate_op_sharding_dispatch_slow_path
+    dispatcher = torch_internals.op_dispatcher()
+    slow_path = torch_internals.propagation_slow_path(dispatcher)
     if not isinstance(slow_path, ReplicatedFallback):
         torch_internals.set_propagation_slow_path(
             dispatcher, ReplicatedFallback(slow_path)
@@ -83,7 +83,7 @@ class ReplicatedFallback:
         """`op_call` on gathered inputs, its outputs replicated."""
         meshes = {
             x.device_mesh
-            for x in pytree.tree_leaves((args, kwargs))
+            for x in torch_runtime.pytree.tree_leaves((args, kwargs))
             if isinstance(x, DTensor)
         }
         if len(meshes) != 1:
@@ -95,11 +95,11 @@ class ReplicatedFallback:
         self.warn_once(op_call)
         # Gathered in argument order: the same collectives in the same
         # order on every process.
-        local_args, local_kwargs = pytree.tree_map_only(
+        local_args, local_kwargs = torch_runtime.pytree.tree_map_only(
             DTensor, _gathered, (args, kwargs)
         )
         result = op_call(*local_args, **local_kwargs)
-        return pytree.tree_map_only(
+        return torch_runtime.pytree.tree_map_only(
             torch.Tensor, lambda t: _replicated(t, mesh), result
         )
 
@@ -130,7 +130,7 @@ def runs_replicated(op):
     """Whether `op` can run replicated: it writes to none of its inputs
     and aliases none, draws no random values, takes no list of tensors,
     and returns tensors only."""
-    schema = op._schema
+    schema = torch_internals.op_schema(op)
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
         return False
     if any(_is_tensor_list(argument.type) for argument in schema.arguments):

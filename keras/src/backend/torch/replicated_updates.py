@@ -33,6 +33,7 @@ from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import local_call_checks
+from keras.src.backend.torch import torch_internals
 
 
 def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
@@ -61,7 +62,9 @@ def apply_on_local_tensors(optimizer, upstream_apply, grads, variables):
     if held is None:
         return upstream_apply(optimizer, grads, variables)
     # The gradients are passed as their local tensors.
-    local_grads = [None if g is None else g._local_tensor for g in grads]
+    local_grads = [
+        None if g is None else torch_internals.local_tensor(g) for g in grads
+    ]
     # Assigns to DTensor variables (`update_on_local_tensors`).
     local_call_checks.note_effect()
     return call_on_local_tensors(
@@ -166,7 +169,7 @@ def held_values(variables, tensors=()):
             continue
         if not isinstance(tensor, DTensor):
             return None
-        placements = tensor._spec.placements
+        placements = torch_internals.spec_of(tensor).placements
         if replicated is None:
             replicated = (Replicate(),) * len(placements)
         if placements != replicated and not _whole_locally(tensor):
@@ -180,10 +183,10 @@ def held_values(variables, tensors=()):
 def _whole_locally(tensor):
     """Whether a DTensor's local tensor holds its whole value: it is
     replicated on every mesh axis of more than one process."""
-    mesh = tensor._spec.mesh
+    mesh = torch_internals.spec_of(tensor).mesh
     return all(
         p.is_replicate() or _mesh_dim_size(mesh, mesh_dim) == 1
-        for mesh_dim, p in enumerate(tensor._spec.placements)
+        for mesh_dim, p in enumerate(torch_internals.spec_of(tensor).placements)
     )
 
 
@@ -216,7 +219,7 @@ def call_on_local_tensors(held, function, *args):
         # buys nothing, and an optimizer step is dozens of operators over
         # lists of tensors.
         for variable, value in held:
-            variable._value = value._local_tensor
+            variable._value = torch_internals.local_tensor(value)
         with suspended:
             return function(*args)
     finally:

@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import unit_gathering
 
 
@@ -119,9 +120,13 @@ class _UnshardForBackward:
 
     def _unshard(self):
         if self.plan is None:
-            local = unit_gathering.unshard(self.values[0])._local_tensor
+            local = torch_internals.local_tensor(
+                unit_gathering.unshard(self.values[0])
+            )
             return [local.contiguous()]
-        return self.plan.gather([value._local_tensor for value in self.values])
+        return self.plan.gather(
+            [torch_internals.local_tensor(value) for value in self.values]
+        )
 
 
 class _SavedUnsharded:

@@ -13,6 +13,7 @@ from keras.src import layers
 from keras.src import models
 from keras.src.backend.torch import gathered_units
 from keras.src.backend.torch import reshard_after_forward
+from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import unit_gathering
 from keras.src.backend.torch import unit_gathering_test
 
@@ -40,7 +41,9 @@ class ReshardAfterForwardTest(unit_gathering_test.ShardedKernelsTestCase):
 
     def test_a_saved_view_of_a_registered_value_is_unsharded_again(self):
         value = self.sharded_value()
-        full = unit_gathering.unshard(value)._local_tensor.contiguous()
+        full = torch_internals.local_tensor(
+            unit_gathering.unshard(value)
+        ).contiguous()
         resharding = reshard_after_forward.ReshardAfterForward()
         resharding.register(None, (value,), (full,))
         weight = torch.full((3, 3), 2.0, requires_grad=True)

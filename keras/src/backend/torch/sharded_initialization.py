@@ -26,14 +26,14 @@ import math
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import (
-    compute_local_shape_and_global_offset,
-)
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.common.variables import standardize_dtype
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch.created_tensors import replicating_created_tensors
+from keras.src.backend.torch.torch_internals import (
+    compute_local_shape_and_global_offset,
+)
 
 # Output bytes of one chunk of rows: the working buffer's scale.
 CHUNK_BYTES = 4 * 1024 * 1024

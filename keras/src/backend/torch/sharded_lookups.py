@@ -17,7 +17,8 @@ Collectives: the indices' redistribution and the result's all-reduce
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.placement_types import _MaskPartial
+
+from keras.src.backend.torch.torch_internals import MaskPartial
 
 
 def reduce_lookup_result(value):
@@ -29,7 +30,7 @@ def reduce_lookup_result(value):
     involved, so `implicit_replication` does not apply.
     """
     placements = tuple(
-        Replicate() if type(p) is _MaskPartial else p for p in value.placements
+        Replicate() if type(p) is MaskPartial else p for p in value.placements
     )
     return _ReducedLookup.apply(value, placements)
 
@@ -66,7 +67,7 @@ def _lookup_gradient_placement(current, target):
     for a gradient that is not a partial sum, and for any gradient where
     the target is a masked lookup)."""
     if target.is_partial() and (
-        type(target) is _MaskPartial or not current.is_partial()
+        type(target) is MaskPartial or not current.is_partial()
     ):
         return Replicate()
     return target

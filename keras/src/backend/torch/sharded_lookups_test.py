@@ -13,9 +13,9 @@ class LookupGradientTest(testing.TestCase):
     """Where a reduced lookup's gradient goes back to the lookup."""
 
     def test_gradient_placements(self):
-        from torch.distributed.tensor.placement_types import _MaskPartial
+        from keras.src.backend.torch.torch_internals import MaskPartial
 
-        masked = _MaskPartial(offset_shape=torch.Size([256, 32]), offset_dim=0)
+        masked = MaskPartial(offset_shape=torch.Size([256, 32]), offset_dim=0)
         place = sharded_lookups._lookup_gradient_placement
         cases = [
             # A masked lookup takes its whole gradient, partial sum or not;

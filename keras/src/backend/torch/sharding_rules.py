@@ -21,16 +21,16 @@ import functools
 import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.experimental import register_sharding
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src.backend.torch import attention_rules
 from keras.src.backend.torch import replicated_fallback
 from keras.src.backend.torch import strided_shard_sizes
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import view_rules
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSchema
+from keras.src.backend.torch.torch_internals import StridedShard
 
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -109,7 +109,7 @@ def _fallback_rules():
             backward = getattr(aten, f"{kind}_pad{rank}d_backward")
             spatial[backward.default] = rank
     rules = {
-        op: _spatial_sharding(rank, len(op._schema.returns))
+        op: _spatial_sharding(rank, len(torch_internals.op_returns(op)))
         for op, rank in spatial.items()
     }
     rules[aten.fill_.Tensor] = _fill_sharding
@@ -273,10 +273,10 @@ def transpose_moves_strided_shards(rule):
             placements = list(spec.output_spec.placements)
             for mesh_dim, placement in enumerate(source.placements):
                 if (
-                    isinstance(placement, _StridedShard)
+                    isinstance(placement, StridedShard)
                     and placements[mesh_dim] == placement
                 ):
-                    placements[mesh_dim] = _StridedShard(
+                    placements[mesh_dim] = StridedShard(
                         1 - placement.dim, split_factor=placement.split_factor
                     )
             if tuple(placements) != spec.output_spec.placements:

@@ -14,13 +14,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import testing
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import StridedShard
+from keras.src.backend.torch.torch_internals import TensorMeta
 from keras.src.distribution import distribution_lib as distribution_api
 
 
@@ -242,14 +242,14 @@ class StridedTransposeTest(testing.TestCase):
         kernel = distribute_tensor(
             torch.from_numpy(values),
             mesh,
-            [_StridedShard(0, split_factor=2), Shard(0)],
+            [StridedShard(0, split_factor=2), Shard(0)],
         )
         for transpose in (torch.t, lambda x: x.transpose(0, 1)):
             transposed = transpose(kernel)
             # Torch 2.11's own `t` rule left `_StridedShard(dim=0)`.
             self.assertEqual(
                 transposed.placements,
-                (_StridedShard(1, split_factor=2), Shard(1)),
+                (StridedShard(1, split_factor=2), Shard(1)),
             )
             self.assertAllClose(transposed.to_local().numpy(), values.T)
 

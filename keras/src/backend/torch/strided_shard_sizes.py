@@ -17,8 +17,8 @@ range starts at a release that computes them without tensors.
 
 import functools
 
-from torch.distributed.tensor import placement_types
-from torch.utils._python_dispatch import _disable_current_modes
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 
 @functools.cache
@@ -26,14 +26,14 @@ def register():
     """Runs `_StridedShard`'s size computation outside tracing modes;
     once, whatever the number of calls. Called by
     `sharding_rules.register`."""
-    strided_shard = getattr(placement_types, "_StridedShard", None)
+    strided_shard = torch_internals.StridedShard
     upstream = getattr(strided_shard, "local_shard_size_and_offset", None)
     if upstream is None:
         return
 
     @functools.wraps(upstream)
     def local_shard_size_and_offset(self, *args, **kwargs):
-        with _disable_current_modes():
+        with torch_runtime.disable_current_modes():
             return upstream(self, *args, **kwargs)
 
     strided_shard.local_shard_size_and_offset = local_shard_size_and_offset

@@ -1,16 +1,16 @@
 """`_StridedShard` sizes under fake tensors equal the eager ones."""
 
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import testing
 from keras.src.backend.torch import strided_shard_sizes
+from keras.src.backend.torch.torch_internals import StridedShard
 
 
 def sizes():
     """Shard sizes of a strided split of 10 indices over 2, 3 and 4."""
     return [
-        _StridedShard(0, split_factor=split).local_shard_size_and_offset(
+        StridedShard(0, split_factor=split).local_shard_size_and_offset(
             10, chunks, rank
         )[0]
         for split in (2, 4)

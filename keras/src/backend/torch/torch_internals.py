@@ -1,18 +1,92 @@
-"""The private parts of torch's DTensor that the sharding rules touch.
+"""The private parts of torch's DTensor the project uses: one door.
 
-Contract: the sharding-rule modules reach DTensor's sharding propagator
-and op dispatcher only through these functions, so that a torch upgrade
-that moves them is met here. Each says what it reads or writes.
+Contract: outside this module and `torch_runtime`, the project names no
+private torch module, class, function or attribute
+(`torch_internals_test` checks the sources). A torch upgrade that moves,
+renames or reshapes one of them is met here. Each name says what it
+stands for; the classes are DTensor's own, re-exported under names
+without the leading underscore.
 """
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._op_schema import OutputSharding
+from torch.distributed.tensor import _dtensor_spec
+from torch.distributed.tensor import _op_schema
+from torch.distributed.tensor import _utils
+from torch.distributed.tensor import placement_types
+from torch.distributed.tensor._ops import utils as _ops_utils
+
+# A DTensor's metadata: mesh, placements and global shape, stride, dtype.
+DTensorSpec = _dtensor_spec.DTensorSpec
+TensorMeta = _dtensor_spec.TensorMeta
+# What sharding rules read and return.
+OpSchema = _op_schema.OpSchema
+OpSpec = _op_schema.OpSpec
+OpStrategy = _op_schema.OpStrategy
+TupleStrategy = _op_schema.TupleStrategy
+OutputSharding = _op_schema.OutputSharding
+# Placements DTensor keeps private: a shard of a shard's interleaving,
+# and an embedding lookup's partial result masked per process.
+StridedShard = placement_types._StridedShard
+MaskPartial = placement_types._MaskPartial
+# The functional collectives DTensor issues, and their pending results.
+functional_collectives = funcol
+AsyncCollectiveTensor = funcol.AsyncCollectiveTensor
+generate_redistribute_costs = _ops_utils.generate_redistribute_costs
+compute_local_shape_and_global_offset = (
+    _utils.compute_local_shape_and_global_offset
+)
+
+
+def local_tensor(value):
+    """A DTensor's local tensor, read without an autograd node (what
+    `to_local` returns under `no_grad`)."""
+    return value._local_tensor
+
+
+def spec_of(value):
+    """A DTensor's `DTensorSpec`."""
+    return value._spec
+
+
+def make_dtensor(local, spec, requires_grad=False):
+    """A DTensor of `local` laid out as `spec`, with no check and no
+    autograd node (DTensor's own constructor)."""
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
+def op_dispatcher():
+    """DTensor's op dispatcher (one per process)."""
+    return DTensor._op_dispatcher
+
+
+def custom_op_handlers():
+    """The dispatcher's table of ops it hands to a Python handler."""
+    return op_dispatcher()._custom_op_handlers
+
+
+def local_results(dispatcher, op_call, args, op_info):
+    """The local results of `op_call` on `args`, once `op_info`'s output
+    sharding is propagated (DTensor's Python dispatch path)."""
+    return dispatcher._dispatch_get_local_results_slow_path(
+        op_call, args, op_info
+    )
+
+
+def op_returns(op):
+    """The returns of `op`'s schema."""
+    return op._schema.returns
+
+
+def op_schema(op):
+    """`op`'s function schema."""
+    return op._schema
 
 
 def sharding_propagator():
     """DTensor's sharding propagator (one per process)."""
-    return DTensor._op_dispatcher.sharding_propagator
+    return op_dispatcher().sharding_propagator
 
 
 def rule_tables(propagator=None):
@@ -65,9 +139,14 @@ def clear_propagation_caches():
         clear_native()
 
 
+def propagation_slow_path(dispatcher):
+    """The dispatcher's propagation slow path: what DTensor's C++ dispatch
+    calls where its sharding cache misses."""
+    return dispatcher._propagate_op_sharding_dispatch_slow_path
+
+
 def set_propagation_slow_path(dispatcher, slow_path):
-    """Makes `slow_path` the dispatcher's propagation slow path: what
-    DTensor's C++ dispatch calls where its sharding cache misses."""
+    """Makes `slow_path` the dispatcher's propagation slow path."""
     dispatcher._propagate_op_sharding_dispatch_slow_path = slow_path
 
 
@@ -75,3 +154,11 @@ def is_output_sharding(value):
     """Whether a propagation slow path returned a sharding (rather than
     the op's result, which DTensor returns as it is)."""
     return isinstance(value, OutputSharding)
+
+
+def mesh_pickle_state(mesh):
+    """The state `mesh` pickles, less its cached hash (which unpickling
+    recomputes)."""
+    state = mesh.__getstate__()
+    state.pop("_hash", None)
+    return state

@@ -12,16 +12,17 @@ one process cannot build are stood in for by `FakeMesh`.
 import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._op_schema import OpSpec
-from torch.distributed.tensor._op_schema import OpStrategy
-from torch.distributed.tensor._op_schema import TupleStrategy
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSchema
+from keras.src.backend.torch.torch_internals import OpSpec
+from keras.src.backend.torch.torch_internals import OpStrategy
+from keras.src.backend.torch.torch_internals import StridedShard
+from keras.src.backend.torch.torch_internals import TensorMeta
+from keras.src.backend.torch.torch_internals import TupleStrategy
 from keras.src.distribution import distribution_lib
 
 aten = torch.ops.aten
@@ -161,14 +162,14 @@ def stack_misplaces_a_negative_dimension():
 
 def transpose_leaves_a_strided_shard():
     rule = _torch_rule(aten.t.default)
-    placements = [Shard(1), _StridedShard(1, split_factor=2)]
+    placements = [Shard(1), StridedShard(1, split_factor=2)]
     schema = OpSchema(
         aten.t.default,
         (_strategy(FakeMesh((2, 2)), placements, (4, 8)),),
         {},
     )
     return any(
-        p == _StridedShard(1, split_factor=2)
+        p == StridedShard(1, split_factor=2)
         for placements in _output_placements(rule(schema))
         for p in placements
     )
@@ -223,12 +224,10 @@ def constant_pad_rule_is_blind_to_the_mesh():
 
 def chunk_cat_misreads_a_negative_dimension():
     """Two gathered rows of shape (1, 4), along the last dimension."""
-    from torch._utils import _maybe_view_chunk_cat
-
     rows = torch.arange(8.0).reshape(2, 1, 4)
     expected = torch.cat(torch.chunk(rows, 2, dim=0), dim=-1)
     try:
-        got = _maybe_view_chunk_cat(rows, 2, -1)
+        got = torch_runtime.chunk_cat(rows, 2, -1)
     except RuntimeError:
         return True
     return got.shape != expected.shape or not torch.equal(got, expected)

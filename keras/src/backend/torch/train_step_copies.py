@@ -26,13 +26,13 @@ import inspect
 import warnings
 
 import torch
-from torch.utils import _pytree
 
 from keras.src import tree
 from keras.src.backend.torch import batch_reductions
 from keras.src.backend.torch import bucket_riders
 from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import local_call_state
+from keras.src.backend.torch import torch_runtime
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 # SHA-256 of `inspect.getsource(TorchTrainer.train_step)` in keras 3.15.1,
@@ -287,7 +287,7 @@ def _loss_then_gradients(trainer, x, y, y_pred, sample_weight, gradients_of):
         # backward a zero gradient for it (pytorch#172556; the compile
         # backend gives one to any output backward does not reach,
         # `compiled_graph_outputs`).
-        y_pred = _pytree.tree_map_only(
+        y_pred = torch_runtime.pytree.tree_map_only(
             torch.Tensor, torch.Tensor.detach, y_pred
         )
         _apply_gradients(trainer, loss, gradients_of)

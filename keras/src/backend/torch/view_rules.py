@@ -19,12 +19,13 @@ import math
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._op_schema import OpSpec
-from torch.distributed.tensor._op_schema import OpStrategy
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSchema
+from keras.src.backend.torch.torch_internals import OpSpec
+from keras.src.backend.torch.torch_internals import OpStrategy
+from keras.src.backend.torch.torch_internals import StridedShard
+from keras.src.backend.torch.torch_internals import generate_redistribute_costs
 
 
 def view_with_reshape_fallback(view_rule, reshape_rule):
@@ -87,7 +88,7 @@ def _any_placement(strategy, picked):
 
 
 def _is_strided(spec, mesh_dim):
-    return isinstance(spec.placements[mesh_dim], _StridedShard)
+    return isinstance(spec.placements[mesh_dim], StridedShard)
 
 
 def _hides_an_uneven_split(spec, mesh_dim):

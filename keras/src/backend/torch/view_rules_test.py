@@ -15,17 +15,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._op_schema import OpSpec
-from torch.distributed.tensor._op_schema import OpStrategy
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras.src import ops
 from keras.src import testing
 from keras.src.backend.torch import sharding_rules
 from keras.src.backend.torch import view_rules
+from keras.src.backend.torch.torch_internals import DTensorSpec
+from keras.src.backend.torch.torch_internals import OpSchema
+from keras.src.backend.torch.torch_internals import OpSpec
+from keras.src.backend.torch.torch_internals import OpStrategy
+from keras.src.backend.torch.torch_internals import StridedShard
+from keras.src.backend.torch.torch_internals import TensorMeta
 from keras.src.backend.torch.torch_probes import FakeMesh
 from keras.src.distribution import distribution_lib as distribution_api
 
@@ -138,7 +138,7 @@ class HeadShardedMatmulTest(testing.TestCase):
                 strategy = view_rule(op_schema)
                 for spec in strategy.strategies:
                     if any(
-                        isinstance(p, _StridedShard)
+                        isinstance(p, StridedShard)
                         for p in spec.output_spec.placements
                     ):
                         raise RuntimeError(
@@ -298,7 +298,7 @@ class ViewFallbackTest(testing.TestCase):
         meta = TensorMeta(torch.Size([48, 16]), (16, 1), torch.float32)
         strided = DTensorSpec(
             mesh,
-            (_StridedShard(0, split_factor=6), Shard(1)),
+            (StridedShard(0, split_factor=6), Shard(1)),
             tensor_meta=meta,
         )
         schema = OpSchema(
