@@ -33,15 +33,38 @@ DISTRIBUTION_DIR = os.path.join(
 )
 HELPER_MODULES = ("tensor_parallel", "fully_sharded", "layout_composition")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_EPILOGUE = """
+# The page that shows the layout helpers' example, and the example's file.
+DOCS_PAGE = os.path.join("docs", "layout_helpers.md")
+DOCS_EXAMPLE = "examples/layout_helpers.py"
+# Runs the page's example, imported as `layout_helpers_example`, and
+# records what it built: its model (through `build_model`) and the layout
+# map of the distribution it set.
+DOCS_EXAMPLE_DRIVER = """
+import keras
 import worker_utils
+
+import layout_helpers_example as example
+
+built = []
+build_model = example.build_model
+
+
+def recording_build_model():
+    built.append(build_model())
+    return built[-1]
+
+
+example.build_model = recording_build_model
+example.main()
+(model,) = built
+layout_map = keras.distribution.distribution()._layout_map
 
 worker_utils.record("losses", model.history.history["loss"])
 worker_utils.record(
     "layouts",
     {
         key: [list(a) if isinstance(a, tuple) else a for a in axes]
-        for key, axes in kd.layout_map_axes(layout_map).items()
+        for key, axes in example.kd.layout_map_axes(layout_map).items()
     },
 )
 for variable in model.weights:
@@ -370,29 +393,37 @@ def test_same_helper_calls_on_jax(single_process_layouts, worker):
     np.testing.assert_allclose(result["losses"], torch_losses, rtol=1e-5)
 
 
-def readme_example():
-    """The first Python block of the "## Layout helpers" README section."""
-    for name in ("README.md", "README_layout_helpers.md"):
-        path = os.path.join(ROOT, name)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            text = f.read()
-        if "## Layout helpers" not in text:
-            continue
-        section = text.split("## Layout helpers", 1)[1].split("\n## ", 1)[0]
-        return section.split("```python\n", 1)[1].split("```", 1)[0]
-    pytest.fail("No '## Layout helpers' section in the README.")
+def docs_example():
+    """The ```python block under the page's `<!-- example: ... -->` marker
+    of `DOCS_EXAMPLE`."""
+    with open(os.path.join(ROOT, DOCS_PAGE), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    marker = f"<!-- example: {DOCS_EXAMPLE} -->"
+    if marker not in lines:
+        pytest.fail(f"No '{marker}' in {DOCS_PAGE}.")
+    start = lines.index(marker) + 1
+    assert lines[start] == "```python", f"No ```python block under {marker}"
+    end = lines.index("```", start + 1)
+    return "\n".join(lines[start + 1 : end]) + "\n"
 
 
-def test_readme_example_runs_as_written(tmp_path):
-    code = readme_example()
-    user_lines = [line for line in code.splitlines() if line.strip()]
-    assert len(user_lines) < 20
-    script = tmp_path / "readme_example.py"
-    script.write_text(code + README_EPILOGUE)
+def test_docs_example_runs_as_written(tmp_path):
+    """docs/layout_helpers.md's example, as the page shows it, on 2
+    processes: a (1, 2) fsdp x model mesh."""
+    code = docs_example()
+    with open(os.path.join(ROOT, DOCS_EXAMPLE), encoding="utf-8") as f:
+        assert code == f.read()
+    (tmp_path / "layout_helpers_example.py").write_text(code)
+    script = tmp_path / "docs_example_driver.py"
+    script.write_text(DOCS_EXAMPLE_DRIVER)
     python_path = os.pathsep.join(
-        p for p in (harness.WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
+        p
+        for p in (
+            str(tmp_path),
+            harness.WORKERS_DIR,
+            os.environ.get("PYTHONPATH"),
+        )
+        if p
     )
     reports = harness.launch(
         str(script), 2, tmp_path, timeout=240, env={"PYTHONPATH": python_path}

@@ -49,7 +49,8 @@ REORDERED = (
     "single:transformer:adamw:rolled",
 )
 
-# The README's exactness table: its rows, by run and number of processes.
+# The exactness table (docs/user_guide.md, "Exactness", says how to print
+# it): its rows, by run and number of processes.
 DESCRIPTIONS = {
     "dp:mlp:sgd:uneven,dict": "DataParallel, 2 processes, MLP, SGD, "
     "arrays with an uneven last batch, as a dict",
@@ -400,7 +401,7 @@ def measured_maxima(launches):
 
 
 def exactness_table(rows, noise):
-    """The README's exactness table, in Markdown."""
+    """The exactness table, in Markdown."""
 
     def number(value):
         return f"{value:.1e}".replace("e-0", "e-")
@@ -425,9 +426,10 @@ def exactness_table(rows, noise):
 
 
 def test_exactness_table(launches):
-    """Prints the README's exactness table from the measured maxima.
+    """Prints the exactness table from the measured maxima (the bounds
+    it shows are stated in docs/user_guide.md, "Exactness").
 
-    Regenerate it with
+    Print it with
     `python -m pytest integration_tests/training_parity_test.py -s -k
     exactness_table`; with `KERAS_DTENSOR_EXACTNESS_TABLE=<path>` it is
     also written to that file.

@@ -16,7 +16,7 @@ SUPPORTED_KERAS = ("3.15.1", "3.16")  # [minimum, exclusive maximum)
 # keras-nightly versions outside that range that this project's whole test
 # suite passed on (docs/keras_nightly.md, scripts/nightly.sh).
 TESTED_KERAS_NIGHTLY = ("3.16.0.dev2026102704",)
-# Measured by scripts/torch_matrix.sh (README, "Supported versions").
+# Measured by scripts/torch_matrix.sh (docs/limits.md, "Supported versions").
 SUPPORTED_TORCH = ("2.11", "2.16")  # [minimum, exclusive maximum)
 
 

@@ -17,10 +17,12 @@
 #    the torch backend's distribution tests and this project's unit tests,
 #    at their in-tree paths (or PYTEST_ARGS instead).
 # 5. Without PYTEST_ARGS, the multi-process parity tests of this checkout
-#    (integration_tests/training_parity_test.py and the README example
-#    test) then run with the patched tree as their keras: gloo processes
-#    that train as one process does, with no mount. The README's
-#    `import keras_dtensor as kd` reaches `keras.distribution` there.
+#    (integration_tests/training_parity_test.py and the test of the
+#    layout helpers' example, examples/layout_helpers.py as
+#    docs/layout_helpers.md shows it) then run with the patched tree as
+#    their keras: gloo processes that train as one process does, with no
+#    mount. The example's `import keras_dtensor as kd` reaches
+#    `keras.distribution` there.
 #
 # Environment:
 #   UPSTREAM_WORK     work folder (default: ${TMPDIR:-/tmp}/keras-upstream)
@@ -150,7 +152,7 @@ run_tests() {
 }
 
 # Runs this checkout's multi-process parity tests on the patched keras.
-# The README example imports the layout helpers as `keras_dtensor`; in-tree
+# The layout helpers' example imports them as `keras_dtensor`; in-tree
 # they are `keras.distribution.*` (the last patch), so a one-line module of
 # that name re-exports `keras.distribution` (it arms no mount).
 run_parity_tests() {
@@ -170,7 +172,7 @@ run_parity_tests() {
         OMP_NUM_THREADS=1 timeout "$TIMEOUT" "$VENV/bin/python" -m pytest \
         -q -p no:cacheprovider -p no:randomly -W ignore \
         integration_tests/training_parity_test.py \
-        "integration_tests/layout_helpers_test.py::test_readme_example_runs_as_written")
+        "integration_tests/layout_helpers_test.py::test_docs_example_runs_as_written")
 }
 
 wheel=$(fetch_base)
