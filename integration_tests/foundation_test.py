@@ -83,10 +83,13 @@ def coordinate(rank, shape):
     return np.unravel_index(rank, shape)
 
 
-def expected_placements(shape, shard_dim):
-    _, _, model_dim = axis_sizes(shape)
+def expected_placements(shape, shard_dim, variable=True):
+    """Placements split on the model axis. A variable's are replicated
+    where that axis has one process (the whole dimension either way); a
+    distributed tensor keeps its layout's."""
+    _, model_size, model_dim = axis_sizes(shape)
     placements = ["R"] * len(shape)
-    if shard_dim is not None:
+    if shard_dim is not None and (model_size > 1 or not variable):
         placements[model_dim] = f"S({shard_dim})"
     return placements
 
@@ -163,17 +166,22 @@ def test_multi_axis_dimension_order(run_2d):
     # axis. Over (model, batch): the batch axis comes after the model
     # axis in the split but first in the mesh, so DTensor splits it with
     # the model axis's size as a stride, a `_StridedShard` (a plain
-    # `Shard` where either axis has one process).
+    # `Shard` where the other axis has one process). An axis of one
+    # process holds the whole dimension: replicated.
     strided = batch_size > 1 and model_size > 1
+    batch_major_placements = [
+        "S(0)" if batch_size > 1 else "R",
+        "S(0)" if model_size > 1 else "R",
+    ]
     model_major_placements = [
-        f"_S(0, {model_size})" if strided else "S(0)",
-        "S(0)",
+        f"_S(0, {model_size})" if strided else batch_major_placements[0],
+        batch_major_placements[1],
     ]
     for rank, report in enumerate(reports):
         b, m = report["mesh_coordinate"]
         assert (b, m) == tuple(coordinate(rank, shape))
         placements = report["multi_axis/batch_major/placements"]
-        assert placements == ["S(0)", "S(0)"]
+        assert placements == batch_major_placements
         placements = report["multi_axis/model_major/placements"]
         assert placements == model_major_placements
         batch_major = np.asarray(report["multi_axis/batch_major/local"])
@@ -221,7 +229,7 @@ def test_distribute_tensor_nested_and_redistribute(run):
     for rank, report in enumerate(reports):
         index = coordinate(rank, shape)[model_dim]
         assert report["distribute/a/placements"] == expected_placements(
-            shape, 1
+            shape, 1, variable=False
         )
         np.testing.assert_array_equal(
             np.asarray(report["distribute/a/local"]),

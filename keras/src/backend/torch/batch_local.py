@@ -30,6 +30,7 @@ import os
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 
 from keras.src.backend.common import global_state
 from keras.src.backend.torch import created_tensors
@@ -37,6 +38,7 @@ from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -51,7 +53,8 @@ class _NotLocal(Exception):
 
 
 def call_layer(layer, upstream_call, args, kwargs):
-    """Calls `layer` inside a distributed step: locally where proven exact.
+    """Calls `layer` inside a distributed step: locally where proven exact;
+    its outputs hold no partial sums (`partial_sums_reduced`).
 
     Args:
         layer: the Keras layer.
@@ -62,6 +65,42 @@ def call_layer(layer, upstream_call, args, kwargs):
     Returns:
         The layer's outputs, as DTensors wherever the call took DTensors.
     """
+    return partial_sums_reduced(_call_layer(layer, upstream_call, args, kwargs))
+
+
+def partial_sums_reduced(outputs):
+    """`outputs` with each DTensor's partial sums reduced (all-reduced to
+    `Replicate` on the mesh axes where it is `Partial`).
+
+    A layer's output is a value, as in JAX, where no array is a pending
+    sum: a row-parallel layer's output is all-reduced where the layer
+    ends, as Megatron's plan does. Left pending, DTensor's next ops chose
+    by their own cost: keras-hub's residual adds kept the sums pending,
+    their norms reduce-scattered them along the batch, and the next
+    layers then gathered their kernels.
+    """
+    if not any(
+        isinstance(leaf, DTensor) and _has_partial(leaf)
+        for leaf in torch_runtime.pytree.tree_leaves(outputs)
+    ):
+        return outputs
+    return torch_runtime.pytree.tree_map_only(DTensor, _reduced, outputs)
+
+
+def _has_partial(value):
+    return any(p.is_partial() for p in value.placements)
+
+
+def _reduced(value):
+    if not isinstance(value, DTensor) or not _has_partial(value):
+        return value
+    placements = [
+        Replicate() if p.is_partial() else p for p in value.placements
+    ]
+    return value.redistribute(value.device_mesh, placements)
+
+
+def _call_layer(layer, upstream_call, args, kwargs):
     mode = created_tensors.current_mode()
     if mode is None or not local_calls_allowed():
         return upstream_call(layer, *args, **kwargs)

@@ -6,6 +6,8 @@ from unittest import mock
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -192,3 +194,31 @@ class BatchLocalTest(LocalCallTestCase):
         self.assertEqual(results[0], results[2])
         np.testing.assert_array_equal(gradients[0], gradients[1])
         np.testing.assert_array_equal(gradients[0], gradients[2])
+
+
+class PartialSumsReducedTest(LocalCallTestCase):
+    """A layer's DTensor outputs hold no pending partial sums."""
+
+    def test_partial_outputs_are_reduced_and_others_kept(self):
+        mesh = self.mesh.backend_mesh
+        local = torch.arange(6.0).reshape(2, 3)
+        partial = DTensor.from_local(local, mesh, [Partial()])
+        sharded = self.batch((4, 3))
+        outputs = batch_local.partial_sums_reduced(
+            {"partial": partial, "sharded": sharded, "number": 3}
+        )
+        self.assertEqual(tuple(outputs["partial"].placements), (Replicate(),))
+        self.assertAllClose(outputs["partial"].to_local(), local)
+        self.assertIs(outputs["sharded"], sharded)
+        self.assertEqual(outputs["number"], 3)
+        self.assertIs(batch_local.partial_sums_reduced(sharded), sharded)
+
+    def test_a_layer_returning_partial_sums_returns_them_reduced(self):
+        mesh = self.mesh.backend_mesh
+
+        class PartialSum(layers.Layer):
+            def call(self, x):
+                return DTensor.from_local(x.to_local(), mesh, [Partial()])
+
+        output = self.call_in_step(PartialSum(), self.batch((4, 3)))
+        self.assertEqual(tuple(output.placements), (Replicate(),))

@@ -300,7 +300,7 @@ def _checked_variable_layout(shape, layout, path):
         )
     layout = dtensor_layouts.backend_layout(layout)
     validate_layout(shape, layout, path=path, require_divisible=True)
-    return layout
+    return dtensor_layouts.replicated_on_unit_axes(layout)
 
 
 def assign_to_variable(parameter, value):

@@ -77,6 +77,31 @@ def axes_to_placements(axes, device_mesh):
     return tuple(placements)
 
 
+def replicated_on_unit_axes(layout):
+    """`layout` (a `DTensorLayout`) with `Replicate()` on each mesh axis of
+    one process, on a mesh of several processes.
+
+    A split over one process holds the whole dimension: the same local
+    tensor as replicated. A variable laid out this way leaves DTensor's
+    rules free to follow the other operand on that axis; kept as a
+    `Shard`, the contraction of keras-hub's `(model, batch, None)` kernels
+    with a batch split along the same axis made DTensor gather kernels
+    over the model axis, or reduce partial sums over the batch axis. On a
+    mesh of one process nothing is communicated whatever the placements,
+    and the layout's own are kept.
+    """
+    sizes = layout.mesh.shape
+    if layout.mesh.size() == 1:
+        return layout
+    placements = tuple(
+        Replicate() if sizes[mesh_dim] == 1 else placement
+        for mesh_dim, placement in enumerate(layout.placements)
+    )
+    if placements == tuple(layout.placements):
+        return layout
+    return layout._replace(placements=placements)
+
+
 def backend_layout(layout):
     """Returns the `DTensorLayout` of a `TensorLayout` or backend layout."""
     if isinstance(layout, DTensorLayout):
@@ -166,7 +191,7 @@ def dtensor_from_spec(local, spec):
         local: the local tensor (not requiring gradients).
         spec: a `DTensorSpec` for it, not shared with another DTensor.
     """
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+    return torch_internals.make_dtensor(local, spec)
 
 
 def waited_local_tensor(value):

@@ -146,3 +146,37 @@ class AdditivePartialDimsTest(testing.TestCase):
                 expected,
                 placements,
             )
+
+
+class _MeshShape:
+    """The parts of a torch mesh `replicated_on_unit_axes` reads."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def size(self):
+        return int(np.prod(self.shape))
+
+
+class ReplicatedOnUnitAxesTest(testing.TestCase):
+    def test_a_split_over_one_process_is_replicated(self):
+        layout = dtensor_layouts.DTensorLayout(
+            _MeshShape((1, 2)), (Shard(0), Shard(1)), (None, None), None
+        )
+        relaid = dtensor_layouts.replicated_on_unit_axes(layout)
+        self.assertEqual(relaid.placements, (Replicate(), Shard(1)))
+        self.assertIs(relaid.mesh, layout.mesh)
+
+    def test_layouts_without_such_a_split_are_kept(self):
+        for shape, placements in (
+            ((2, 2), (Shard(0), Shard(1))),
+            ((1, 2), (Replicate(), Shard(0))),
+            # One process in all: nothing moves whatever the placements.
+            ((1,), (Shard(0),)),
+        ):
+            layout = dtensor_layouts.DTensorLayout(
+                _MeshShape(shape), placements, None, None
+            )
+            self.assertIs(
+                dtensor_layouts.replicated_on_unit_axes(layout), layout
+            )
