@@ -21,8 +21,9 @@ seed on the same batches. For each run it reports:
   (`batch_local`), under the table.
 
 Modes: `none` (no distribution), `dp` (`DataParallel` over every
-process) and `mp` (`ModelParallel` on a (1, N) ("batch", "model") mesh
-laid out by the backbone's own `get_layout_map`). On one process the
+process), `mp` (`ModelParallel` on a (1, N) ("batch", "model") mesh
+laid out by the backbone's own `get_layout_map`) and `mp2d` (the same on
+a (2, N / 2) mesh). On one process the
 meshes are (1,) and (1, 1). Run it under torchrun, e.g. on one GPU:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=1 \\
@@ -30,9 +31,13 @@ meshes are (1,) and (1, 1). Run it under torchrun, e.g. on one GPU:
         --precision mixed_bfloat16 --out /tmp/out
 
 Presets: `tiny` (2 layers, hidden 32; float32 parity checks, fast on
-CPU) and `gemma-h1024` (6 layers, hidden 1024, 8 heads of 128, vocabulary
-32000, batch 16 of 512 tokens: the size of the keras-hub issue's GPU
-table). `--sdpa` restricts `scaled_dot_product_attention` to one kernel
+CPU), `mid` (4 layers, hidden 256, 4 heads of 64, vocabulary 4096, batch
+4 of 128 tokens: the CPU size of the keras-hub speed issue) and
+`gemma-h1024` (6 layers, hidden 1024, 8 heads of 128, vocabulary 32000,
+batch 16 of 512 tokens: the size of the keras-hub issue's GPU table).
+`--lora RANK` trains LoRA adapters of that rank instead of every weight.
+The profiled step counts the collectives it issued, by kind.
+`--sdpa` restricts `scaled_dot_product_attention` to one kernel
 family (`math`, `efficient`, `flash`, `cudnn`) for the whole run.
 """
 
@@ -72,6 +77,19 @@ PRESETS = {
         "gemma": {"head_dim": 8},
         "batch": 4,
         "seq": 16,
+    },
+    "mid": {
+        "backbone": {
+            "vocabulary_size": 4096,
+            "num_layers": 4,
+            "num_query_heads": 4,
+            "num_key_value_heads": 4,
+            "hidden_dim": 256,
+            "intermediate_dim": 1024,
+        },
+        "gemma": {"head_dim": 64},
+        "batch": 4,
+        "seq": 128,
     },
     "gemma-h1024": {
         "backbone": {
@@ -113,6 +131,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--sdpa", default="default")
     parser.add_argument("--steps", type=int, default=3, help="Timed steps.")
+    parser.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)."
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="Folder for the report.")
     parser.add_argument("--tag", default="keras_hub_step")
@@ -161,8 +182,10 @@ def set_distribution(mode, backbone_class):
             keras.distribution.DataParallel(devices=devices)
         )
         return
+    # `mp`: (1, N); `mp2d`: (2, N / 2), batch and model axes both split.
+    batch = 2 if mode == "mp2d" else 1
     mesh = keras.distribution.DeviceMesh(
-        (1, len(devices)), ("batch", "model"), devices
+        (batch, len(devices) // batch), ("batch", "model"), devices
     )
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(
@@ -171,12 +194,15 @@ def set_distribution(mode, backbone_class):
     )
 
 
-def build_model(name, preset):
-    """The backbone, then logits from its reversed token embedding."""
+def build_model(name, preset, lora_rank=0):
+    """The backbone, then logits from its reversed token embedding; with
+    LoRA adapters of `lora_rank` where it is not 0."""
     config = PRESETS[preset]
     keras.utils.set_random_seed(SEED)
     extra = config.get(name, {})
     backbone = BACKBONES[name](**config["backbone"], **extra)
+    if lora_rank:
+        backbone.enable_lora(rank=lora_rank)
     logits = backbone.token_embedding(backbone.output, reverse=True)
     model = keras.Model(backbone.input, logits)
     model.compile(
@@ -216,13 +242,31 @@ def profiled_step(step):
         if "scaled_dot_product" in event.name and event.name.startswith("aten")
     }
     syncs = sum(event.name in SYNC_EVENTS for event in events)
+    collectives = collective_counts(events)
     sort_by = (
         "self_cuda_time_total"
         if torch.cuda.is_available()
         else "self_cpu_time_total"
     )
     top = profiler.key_averages().table(sort_by=sort_by, row_limit=12)
-    return sorted(kernels), syncs, top
+    return sorted(kernels), syncs, collectives, top
+
+
+def collective_counts(events):
+    """The collectives a profiled step issued, by kind: the `c10d` ops
+    that start one (waits and autograd wrappers aside)."""
+    counts = {}
+    for event in events:
+        name = event.name
+        if not name.startswith(("c10d::", "_c10d_functional::")):
+            continue
+        kind = name.split("::")[1].rstrip("_")
+        if kind in ("wait_tensor", "wrap_tensor_autograd"):
+            continue
+        if kind.startswith("_"):
+            kind = kind[1:]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def dtensor_layers(model):
@@ -245,7 +289,7 @@ def dtensor_layers(model):
 def run_steps(model, label, args, batches):
     """Trains `model` on `batches`; returns its measurements."""
     losses, times = [], []
-    kernels = syncs = peak = None
+    kernels = syncs = peak = collectives = None
     for index, (x, y, sample_weight) in enumerate(batches):
         step = functools.partial(
             model.train_on_batch, x, y, sample_weight=sample_weight
@@ -255,7 +299,9 @@ def run_steps(model, label, args, batches):
             torch.cuda.reset_peak_memory_stats()
         if index == len(batches) - 1:
             # The last step runs under the profiler, untimed.
-            kernels, syncs, top = profiled_step(lambda: losses.append(step()))
+            kernels, syncs, collectives, top = profiled_step(
+                lambda: losses.append(step())
+            )
             say(f"--- {label}: {syncs} device waits; top ops:\n{top}")
             continue
         start = time.perf_counter()
@@ -273,13 +319,14 @@ def run_steps(model, label, args, batches):
         "peak_bytes": peak,
         "kernels": kernels,
         "device_waits": syncs,
+        "collectives": collectives,
     }
 
 
 def train(name, mode, args, batches):
     """Trains one model under `mode`; returns its measurements."""
     set_distribution(mode, BACKBONES[name])
-    model = build_model(name, args.preset)
+    model = build_model(name, args.preset, args.lora)
     result = run_steps(model, f"{name} {mode}", args, batches)
     result["dtensor_layers"] = dtensor_layers(model) if mode != "none" else []
     keras.distribution.set_distribution(None)
@@ -344,14 +391,15 @@ def table(rows):
     """The report's Markdown table."""
     lines = [
         "| model | mode | loss rel. diff | weight abs. diff | step ms "
-        "| × none | peak GiB | × none | device waits | attention kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| × none | peak GiB | × none | device waits | collectives "
+        "| attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(
                 f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
-                "| | | | | | | |"
+                "| | | | | | | | |"
             )
             continue
         peak = row.get("peak_bytes")
@@ -367,9 +415,16 @@ def table(rows):
             f"| {_cell(peak / 2**30 if peak else None, '.2f')} "
             f"| {_cell(row.get('memory_ratio'), '.2f')} "
             f"| {_cell(row.get('device_waits'), 'd')} "
+            f"| {_collectives_cell(row.get('collectives'))} "
             f"| {kernels or '-'} |"
         )
     return "\n".join(lines)
+
+
+def _collectives_cell(counts):
+    if not counts:
+        return "0" if counts == {} else "-"
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
 def header(args):
@@ -382,6 +437,7 @@ def header(args):
         f"{device}, {world} process(es); torch {torch.__version__}, keras "
         f"{keras.__version__}, keras-hub {keras_hub.__version__}; preset "
         f"{args.preset}, {args.precision}, SDPA {args.sdpa}, "
+        f"{f'LoRA rank {args.lora}' if args.lora else 'full fine-tune'}, "
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled"
     )
 
