@@ -253,19 +253,14 @@ def profiled_step(step):
 
 
 def collective_counts(events):
-    """The collectives a profiled step issued, by kind: the `c10d` ops
-    that start one (waits and autograd wrappers aside)."""
+    """The collectives a profiled step issued, by kind: the process
+    group's `c10d` ops (each functional collective DTensor issues calls
+    one of them)."""
     counts = {}
     for event in events:
-        name = event.name
-        if not name.startswith(("c10d::", "_c10d_functional::")):
-            continue
-        kind = name.split("::")[1].rstrip("_")
-        if kind in ("wait_tensor", "wrap_tensor_autograd"):
-            continue
-        if kind.startswith("_"):
-            kind = kind[1:]
-        counts[kind] = counts.get(kind, 0) + 1
+        if event.name.startswith("c10d::"):
+            kind = event.name[len("c10d::") :].rstrip("_")
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 
