@@ -79,6 +79,9 @@ def partial_sums_reduced(outputs):
     their norms reduce-scattered them along the batch, and the next
     layers then gathered their kernels.
     """
+    if type(outputs) is DTensor:
+        # The common case, without walking a structure.
+        return _reduced(outputs)
     if not any(
         isinstance(leaf, DTensor) and _has_partial(leaf)
         for leaf in torch_runtime.pytree.tree_leaves(outputs)
