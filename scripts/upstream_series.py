@@ -83,6 +83,7 @@ MODULE_PATCHES = (
             T + "replicated_fallback.py",
             T + "strided_shard_sizes.py",
             T + "torch_probes.py",
+            T + "unit_axis_redistribution.py",
             T + "torch_workarounds.py",
             T + "view_rules.py",
         ],

@@ -27,6 +27,7 @@ from keras.src.backend.torch import attention_rules
 from keras.src.backend.torch import replicated_fallback
 from keras.src.backend.torch import strided_shard_sizes
 from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import unit_axis_redistribution
 from keras.src.backend.torch import view_rules
 from keras.src.backend.torch.torch_internals import DTensorSpec
 from keras.src.backend.torch.torch_internals import OpSchema
@@ -61,6 +62,7 @@ def register():
     _wrap_rules()
     replicated_fallback.install()
     strided_shard_sizes.register()
+    unit_axis_redistribution.register()
 
 
 def _missing_rules():

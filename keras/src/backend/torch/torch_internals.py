@@ -162,3 +162,20 @@ def mesh_pickle_state(mesh):
     state = mesh.__getstate__()
     state.pop("_hash", None)
     return state
+
+
+def wrap_local_redistribution(wrap):
+    """Makes `wrap(redistribute_local_tensor)` the function DTensor's
+    dispatch, `DTensor.redistribute` and its backward call to move a
+    local tensor between placements; once (a wrapped function is marked
+    `keras_skips_unit_axes`)."""
+    from torch.distributed.tensor import _api
+    from torch.distributed.tensor import _dispatch
+    from torch.distributed.tensor import _redistribute
+
+    current = _redistribute.redistribute_local_tensor
+    if getattr(current, "keras_skips_unit_axes", False):
+        return
+    wrapped = wrap(current)
+    for module in (_redistribute, _dispatch, _api):
+        module.redistribute_local_tensor = wrapped

@@ -1,0 +1,73 @@
+"""Redistributions inside Keras steps skip mesh axes of one process.
+
+Contract: inside a Keras step on this thread
+(`created_tensors.in_step_context`), a DTensor redistribution takes the
+placement on each mesh axis of one process straight to the target's: that
+one process's local tensor is the target's already (a shard of one
+process is the whole dimension; a partial sum over one process is the
+sum). Torch communicates nothing there either, but plans the axis with
+the others: each such redistribution pays DTensor's Python planning, and
+a value partial over that axis and another is announced as "2 sequential
+all_reduce operations" (a warning) where one runs. A redistribution left
+with nothing to move returns the local tensor as it is. Plain shards,
+replication and partial sums are taken over; any other placement
+(`_StridedShard`, `_MaskPartial`, whose reduction also frees its mask) is
+left to torch. Outside a step torch's function runs unchanged.
+`register()` installs it once; `torch_workarounds` lists the gap.
+"""
+
+import functools
+
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch.torch_internals import DTensorSpec
+
+# The placements whose local tensor on an axis of one process is the
+# whole value, whatever the other axes hold.
+_PLAIN = (Shard, Replicate, Partial)
+
+
+@functools.cache
+def register():
+    """Puts `skipping_unit_axes` in front of DTensor's redistribution;
+    once, whatever the number of calls."""
+    torch_internals.wrap_local_redistribution(skipping_unit_axes)
+
+
+def skipping_unit_axes(redistribute):
+    """`redistribute` (DTensor's `redistribute_local_tensor`), with the
+    placements on mesh axes of one process taken over in a step."""
+
+    @functools.wraps(redistribute)
+    def redistribute_local_tensor(local, current, target, **kwargs):
+        if created_tensors.in_step_context():
+            current = _unit_axes_as_target(current, target)
+            if current.placements == target.placements:
+                return local
+        return redistribute(local, current, target, **kwargs)
+
+    redistribute_local_tensor.keras_skips_unit_axes = True
+    return redistribute_local_tensor
+
+
+def _unit_axes_as_target(current, target):
+    """`current` with the target's placement on each mesh axis of one
+    process where both are plain (`_PLAIN`)."""
+    mesh = current.mesh
+    placements = list(current.placements)
+    changed = False
+    for mesh_dim, (have, want) in enumerate(
+        zip(current.placements, target.placements)
+    ):
+        if have == want or mesh.size(mesh_dim) != 1:
+            continue
+        if type(have) in _PLAIN and type(want) in _PLAIN:
+            placements[mesh_dim] = want
+            changed = True
+    if not changed:
+        return current
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=current.tensor_meta)
