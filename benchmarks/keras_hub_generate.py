@@ -23,26 +23,13 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from keras_hub_step import PRESETS  # noqa: E402
+from keras_hub_step import set_distribution  # noqa: E402
 
 import keras  # noqa: E402
 
 
-def set_distribution(mode):
-    if mode == "none":
-        keras.distribution.set_distribution(None)
-        return
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh(
-        (1, len(devices)), ("batch", "model"), devices
-    )
-    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
-    )
-
-
 def build(mode):
-    set_distribution(mode)
+    set_distribution(mode, keras_hub.models.GemmaBackbone)
     keras.utils.set_random_seed(1)
     config = PRESETS["mid"]
     backbone = keras_hub.models.GemmaBackbone(
@@ -69,7 +56,7 @@ def main():
     tokens = {}
     for _ in range(args.rounds):
         for mode, model in models.items():
-            set_distribution(mode)
+            set_distribution(mode, keras_hub.models.GemmaBackbone)
             model.generate(inputs, stop_token_ids=None)
             times = []
             for _ in range(3):

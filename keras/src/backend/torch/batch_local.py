@@ -95,7 +95,7 @@ def _has_partial(value):
 
 
 def _reduced(value):
-    if not isinstance(value, DTensor) or not _has_partial(value):
+    if not _has_partial(value):
         return value
     placements = [
         Replicate() if p.is_partial() else p for p in value.placements

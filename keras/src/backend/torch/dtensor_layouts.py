@@ -90,9 +90,9 @@ def replicated_on_unit_axes(layout):
     mesh of one process nothing is communicated whatever the placements,
     and the layout's own are kept.
     """
-    sizes = layout.mesh.shape
     if layout.mesh.size() == 1:
         return layout
+    sizes = layout.mesh.shape
     placements = tuple(
         Replicate() if sizes[mesh_dim] == 1 else placement
         for mesh_dim, placement in enumerate(layout.placements)

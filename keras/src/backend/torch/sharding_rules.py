@@ -111,7 +111,7 @@ def _fallback_rules():
             backward = getattr(aten, f"{kind}_pad{rank}d_backward")
             spatial[backward.default] = rank
     rules = {
-        op: _spatial_sharding(rank, len(torch_internals.op_returns(op)))
+        op: _spatial_sharding(rank, len(torch_internals.op_schema(op).returns))
         for op, rank in spatial.items()
     }
     rules[aten.fill_.Tensor] = _fill_sharding

@@ -74,11 +74,6 @@ def local_results(dispatcher, op_call, args, op_info):
     )
 
 
-def op_returns(op):
-    """The returns of `op`'s schema."""
-    return op._schema.returns
-
-
 def op_schema(op):
     """`op`'s function schema."""
     return op._schema

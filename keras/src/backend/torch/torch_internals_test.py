@@ -128,6 +128,8 @@ class TorchInternalsTest(testing.TestCase):
         value = torch.ones(2)
         self.assertIsNone(getattr(value, "_spec", None))
         self.assertEqual(
-            torch_internals.op_returns(torch.ops.aten.mm.default)[0].type,
+            torch_internals.op_schema(torch.ops.aten.mm.default)
+            .returns[0]
+            .type,
             torch.ops.aten.mm.default._schema.returns[0].type,
         )
