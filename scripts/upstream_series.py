@@ -170,6 +170,8 @@ MODULE_PATCHES = (
             D + "layout_composition.py",
             D + "tensor_parallel.py",
             D + "fully_sharded.py",
+            D + "layer_calls.py",
+            D + "automatic_plans.py",
         ],
     ),
     (
