@@ -11,7 +11,8 @@ over a split dimension, `amax`; Python values (`int`, `item`,
 `bool`, `tolist`) of split and partial DTensors; and the gradients of
 Gemma's rotary key path with one key/value head, whose backward views a
 `cat` that DTensor lays out locally otherwise than it records
-(`local_layouts`). Each result must equal
+(`local_layouts`); and `cross_entropy` of logits split along their
+classes (`split_class_losses`). Each result must equal
 the same op on the full tensors in plain torch, on every rank, and keep
 the layout the handler promises.
 """
@@ -105,3 +106,34 @@ def test_cat_gradients_in_the_recorded_layout_equal_plain_torch(reports):
                 rtol=1e-5,
                 msg=f"rank {rank} {name}",
             )
+
+
+def test_class_split_cross_entropy_equals_plain_torch(reports):
+    for rank, report in enumerate(reports):
+        # If this fails, torch no longer gathers class-split logits for
+        # `log_softmax`, and `split_class_losses` can go.
+        assert report["ce/outside_collectives"] == 1
+        for reduction in ("none", "sum", "mean"):
+            key = f"ce/{reduction}"
+            torch.testing.assert_close(
+                torch.tensor(report[f"{key}/values"]),
+                torch.tensor(report[f"ce/plain/{reduction}"]),
+                msg=f"rank {rank} {key}",
+            )
+            torch.testing.assert_close(
+                torch.tensor(report[f"{key}/gradient/values"]),
+                torch.tensor(report[f"ce/plain/{reduction}/gradient"]),
+                msg=f"rank {rank} {key} gradient",
+            )
+            # Never gathered: three all-reduces of one value per example
+            # and position forward, none backward; the gradient split as
+            # the logits are.
+            assert report[f"{key}/forward_collectives"] == 3, key
+            assert report[f"{key}/backward_collectives"] == 0, key
+            assert report[f"{key}/gradient/placements"] == ["S(1)"], key
+        assert report["ce/none/placements"] == ["R"]
+        # Class weights are not handled: torch's own path, same values.
+        torch.testing.assert_close(
+            torch.tensor(report["ce/weighted/values"]),
+            torch.tensor(report["ce/plain/weighted"]),
+        )

@@ -102,6 +102,7 @@ MODULE_PATCHES = (
             T + "local_rows.py",
             T + "python_values.py",
             T + "sharded_lookups.py",
+            T + "split_class_losses.py",
         ],
     ),
     (

@@ -1,5 +1,6 @@
 """The step mode's handlers for in-place writes, extreme reductions,
-Python values and local layouts, on tensors split over 2 processes.
+Python values, local layouts and class-split cross-entropy, on tensors
+split over 2 processes.
 
 Inside `replicate_created_tensors` on a ("batch",) mesh of every process,
 each check runs an op on DTensors split over the processes and records
@@ -8,6 +9,7 @@ with the same op on the full tensors in plain torch.
 """
 
 import torch
+import torch.nn.functional as F
 import worker_utils
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
@@ -16,6 +18,7 @@ from worker_utils import record
 
 import keras
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import torch_runtime
 
 
 def full_values():
@@ -83,6 +86,44 @@ def python_values(split):
     record("tolist", lengths.tolist())
 
 
+def class_split_losses(logits, targets, group):
+    """`cross_entropy` of `logits` split along their classes: each
+    reduction, an ignored target, the logits' gradient, and the
+    collectives issued (forward, backward); with class weights, torch's
+    own path."""
+    for reduction in ("none", "sum", "mean"):
+        before = torch_runtime.sequence_number(group)
+        loss = F.cross_entropy(
+            logits, targets, reduction=reduction, ignore_index=2
+        )
+        record(
+            f"ce/{reduction}/forward_collectives",
+            torch_runtime.sequence_number(group) - before,
+        )
+        record_whole(f"ce/{reduction}", loss)
+        before = torch_runtime.sequence_number(group)
+        (gradient,) = torch.autograd.grad(loss.sum(), logits)
+        record(
+            f"ce/{reduction}/backward_collectives",
+            torch_runtime.sequence_number(group) - before,
+        )
+        record_whole(f"ce/{reduction}/gradient", gradient)
+    weights = torch.linspace(0.5, 1.5, 10)
+    record_whole(
+        "ce/weighted",
+        F.cross_entropy(logits, targets, weight=weights, reduction="none"),
+    )
+
+
+def class_split_inputs():
+    """Logits (batch 4, classes 10, positions 3) and their targets."""
+    generator = torch.Generator().manual_seed(2)
+    logits = 4 * torch.randn(4, 10, 3, generator=generator)
+    targets = torch.randint(0, 10, (4, 3), generator=generator)
+    targets[1, 2] = 2
+    return logits, targets
+
+
 def rotary_gradients(x, kernel, rotation, queries):
     """The gradients of Gemma's key path with one key/value head: the
     projection's `einsum`, the rotary embedding (`split`, `cat`), Gemma's
@@ -126,16 +167,43 @@ def main():
         "rotary/outside_error", lambda: rotary_gradients(*rotary_inputs(mesh))
     )
     rotary = rotary_inputs(mesh)
+    logits, targets = class_split_inputs()
+    logits = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
+    targets = distribute_tensor(targets, mesh, [Replicate()])
+    # DTensor's own cross-entropy, outside a step, gathers the logits.
+    before = torch_runtime.sequence_number(mesh.get_group(0))
+    F.cross_entropy(logits, targets, reduction="none")
+    record(
+        "ce/outside_collectives",
+        torch_runtime.sequence_number(mesh.get_group(0)) - before,
+    )
     with created_tensors.replicate_created_tensors(keras_mesh):
         in_place_writes(split)
         extreme_reductions(split)
         python_values(split)
+        class_split_losses(logits, targets, mesh.get_group(0))
         x_gradient, kernel_gradient = rotary_gradients(*rotary)
     record_whole("rotary/x_gradient", x_gradient)
     record_whole("rotary/kernel_gradient", kernel_gradient)
     plain = rotary_gradients(*rotary_inputs())
     record("rotary/plain/x_gradient", plain[0].tolist())
     record("rotary/plain/kernel_gradient", plain[1].tolist())
+    logits, targets = class_split_inputs()
+    logits.requires_grad_()
+    for reduction in ("none", "sum", "mean"):
+        loss = F.cross_entropy(
+            logits, targets, reduction=reduction, ignore_index=2
+        )
+        (gradient,) = torch.autograd.grad(loss.sum(), logits)
+        record(f"ce/plain/{reduction}", loss.tolist())
+        record(f"ce/plain/{reduction}/gradient", gradient.tolist())
+    weights = torch.linspace(0.5, 1.5, 10)
+    record(
+        "ce/plain/weighted",
+        F.cross_entropy(
+            logits, targets, weight=weights, reduction="none"
+        ).tolist(),
+    )
     worker_utils.report()
 
 

@@ -7,7 +7,8 @@ created, with a torch function mode, and works around the DTensor
 limitations a Keras step meets: each torch function with a handler in
 `_HANDLERS` goes to it. The handlers live in modules of one concern each
 (`creation_handlers`, `argument_layouts`, `sharded_lookups`,
-`local_rows`, `in_place_writes`, `extreme_reductions`, `python_values`),
+`local_rows`, `in_place_writes`, `extreme_reductions`, `python_values`,
+`split_class_losses`),
 whose docstrings say which limitation each works around and why
 `implicit_replication` is not enough; a lookup result is reduced as it
 is made (`sharded_lookups.reduce_lookup_result`).
@@ -37,6 +38,7 @@ from keras.src.backend.torch import in_place_writes
 from keras.src.backend.torch import local_rows
 from keras.src.backend.torch import python_values
 from keras.src.backend.torch import sharded_lookups
+from keras.src.backend.torch import split_class_losses
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
 from keras.src.backend.torch.dtensor_layouts import dtensor_from_spec
@@ -316,4 +318,5 @@ _HANDLERS = {
     **in_place_writes.HANDLERS,
     **extreme_reductions.HANDLERS,
     **python_values.HANDLERS,
+    **split_class_losses.HANDLERS,
 }

@@ -242,6 +242,20 @@ WORKAROUNDS = (
         "outside a step)",
     ),
     Workaround(
+        "cross-entropy of class-split logits",
+        "split_class_losses",
+        "log_softmax of a tensor split along its softmax dimension gathers "
+        "it whole (the step's logits, split along the vocabulary); "
+        "torch's loss_parallel avoids it, but process-wide, and its "
+        "log_softmax backward assumes an nll_loss follows.",
+        ("2.11", NEWEST),
+        "no torch issue found; loss_parallel is torch's opt-in answer",
+        "once DTensor reduces log_softmax along a split dimension without "
+        "gathering it",
+        probed_by="integration_tests/step_handlers_test.py (the gather "
+        "outside a step)",
+    ),
+    Workaround(
         "all-gather along a negative dimension",
         "extreme_reductions",
         "The functional all-gather views its result with a wrong shape "
