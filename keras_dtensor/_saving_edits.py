@@ -14,6 +14,7 @@ wait for it (`keras.src.saving.distributed_saving`).
 import functools
 import json
 import os
+import sys
 
 # `_edits` imports this module first; its functions are used only when
 # the edits run, after both modules have executed.
@@ -284,6 +285,132 @@ def edit_backup_and_restore(module):
     backup_and_restore.on_train_end = on_train_end
 
 
+def edit_h5_store_reads_slices(saving_lib):
+    """Under a distribution, Keras's HDF5 weights stores hand out their
+    arrays unread, and read a `.keras` archive's weights in place.
+
+    Stands for: in `keras/src/saving/saving_lib.py`, when a distribution
+    is set, `H5IOStore.__getitem__` returns a
+    `dataset_views.DatasetView` of the dataset (a sharded variable then
+    reads only its part, `edit_variable_reads_its_shard`; any other reader
+    gets the whole array from `numpy.asarray`), and `H5IOStore` opens an
+    archive's member with `zip_members.open_stored_member` where it can.
+    `ShardedH5IOStore` reads through `H5IOStore.__getitem__`.
+    """
+    if not support.is_torch_backend():
+        return
+    store = saving_lib.H5IOStore
+    upstream_getitem = store.__getitem__
+    upstream_get_h5_file = store._get_h5_file
+
+    def __getitem__(self, key):
+        if not _distribution_is_set():
+            return upstream_getitem(self, key)
+        from keras.src.saving import dataset_views
+
+        dataset = saving_lib.safe_get_h5_dataset(self._h5_entry_group, key)
+        return dataset_views.DatasetView(dataset)
+
+    def _get_h5_file(self, path_or_io, mode=None):
+        if (
+            self.archive is None
+            or (mode or self.mode) != "r"
+            or not _distribution_is_set()
+        ):
+            return upstream_get_h5_file(self, path_or_io, mode=mode)
+        from keras.src.saving import zip_members
+
+        member = zip_members.open_stored_member(self.archive, str(path_or_io))
+        if member is None:
+            return upstream_get_h5_file(self, path_or_io, mode=mode)
+        self.io_file = member
+        return saving_lib.h5py.File(member, mode="r")
+
+    store.__getitem__ = __getitem__
+    store._get_h5_file = _get_h5_file
+
+
+def edit_keras_archive_loads_in_place(saving_lib):
+    """Under a distribution, `load_model` of a `.keras` archive reads its
+    weights in place, and saving one writes them through a file.
+
+    Upstream copies the archive's weights file into memory (or extracts it
+    onto the disk) before loading, on every process, and saves it into
+    memory before adding it to the archive. Stands for: in
+    `keras/src/saving/saving_lib.py`, when a distribution is set,
+    `_load_model_from_fileobj` opens its weights store on the archive's
+    member (`zip_members.load_model_in_place`), and `is_memory_sufficient`
+    is false, so that `_save_model_to_fileobj` writes the weights into a
+    file beside the archive and copies that in.
+    """
+    if not support.is_torch_backend():
+        return
+    upstream_load = saving_lib._load_model_from_fileobj
+    upstream_is_memory_sufficient = saving_lib.is_memory_sufficient
+
+    def _load_model_from_fileobj(fileobj, custom_objects, compile, safe_mode):
+        if not _distribution_is_set():
+            return upstream_load(fileobj, custom_objects, compile, safe_mode)
+        from keras.src.saving import zip_members
+
+        return zip_members.load_model_in_place(
+            fileobj, custom_objects, compile, safe_mode
+        )
+
+    def is_memory_sufficient(model):
+        if _distribution_is_set():
+            return False
+        return upstream_is_memory_sufficient(model)
+
+    saving_lib._load_model_from_fileobj = _load_model_from_fileobj
+    saving_lib.is_memory_sufficient = is_memory_sufficient
+
+
+def edit_variable_reads_its_shard(core):
+    """A distributed variable assigned a saved array reads only its part.
+
+    Stands for: in `keras/src/backend/torch/core.py`, `Variable.assign`
+    (new, over `KerasVariable.assign`) writes a `DatasetView` of the
+    variable's shape into a variable whose value is a DTensor with
+    `shard_reads.assign_from_view` (each process reads its local
+    tensor's blocks from the file, a chunk of rows at a time, into the
+    local tensor); in a stateless scope, and for every other value, as
+    upstream.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    upstream_assign = core.Variable.assign
+
+    def assign(self, value):
+        parameter = getattr(self, "_value", None)
+        if (
+            isinstance(parameter, DTensor)
+            and _is_view_of(value, parameter)
+            and not in_stateless_scope()
+        ):
+            from keras.src.backend.torch import shard_reads
+
+            shard_reads.assign_from_view(parameter, value, self._dtype)
+            return parameter
+        return upstream_assign(self, value)
+
+    core.Variable.assign = assign
+
+
+def _is_view_of(value, parameter):
+    """Whether `value` is a saved array, unread, of `parameter`'s shape (a
+    view of another shape is read whole, for upstream's shape error)."""
+    # No view exists before its module is imported.
+    dataset_views = sys.modules.get("keras.src.saving.dataset_views")
+    return (
+        dataset_views is not None
+        and isinstance(value, dataset_views.DatasetView)
+        and tuple(value.shape) == tuple(parameter.shape)
+    )
+
+
 # Upstream module name -> function returning the edits for that module.
 POST_IMPORT_EDITS = {
     "keras.src.saving.saving_api": lambda: [
@@ -292,4 +419,9 @@ POST_IMPORT_EDITS = {
     ],
     "keras.src.utils.file_utils": lambda: [edit_file_utils_makedirs],
     "keras.src.callbacks.backup_and_restore": lambda: [edit_backup_and_restore],
+    "keras.src.saving.saving_lib": lambda: [
+        edit_h5_store_reads_slices,
+        edit_keras_archive_loads_in_place,
+    ],
+    "keras.src.backend.torch.core": lambda: [edit_variable_reads_its_shard],
 }
