@@ -285,7 +285,7 @@ def edit_backup_and_restore(module):
     backup_and_restore.on_train_end = on_train_end
 
 
-def edit_h5_store_reads_slices(saving_lib):
+def edit_weights_store_reads_by_part(saving_lib):
     """Under a distribution, Keras's HDF5 weights stores hand out their
     arrays unread, and read a `.keras` archive's weights in place.
 
@@ -420,7 +420,7 @@ POST_IMPORT_EDITS = {
     "keras.src.utils.file_utils": lambda: [edit_file_utils_makedirs],
     "keras.src.callbacks.backup_and_restore": lambda: [edit_backup_and_restore],
     "keras.src.saving.saving_lib": lambda: [
-        edit_h5_store_reads_slices,
+        edit_weights_store_reads_by_part,
         edit_keras_archive_loads_in_place,
     ],
     "keras.src.backend.torch.core": lambda: [edit_variable_reads_its_shard],

@@ -200,6 +200,12 @@ MODULE_PATCHES = (
         "torch: loss reductions over a split batch run on local tensors",
         [T + "batch_reductions.py"],
     ),
+    (
+        "0045-saving-sliced-loading.patch",
+        "Loading under a distribution: saved arrays read by each process's "
+        "part",
+        [S + "dataset_views.py", S + "zip_members.py", T + "shard_reads.py"],
+    ),
 )
 
 
