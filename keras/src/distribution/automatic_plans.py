@@ -102,12 +102,42 @@ def auto_tensor_parallel_plan(model, device_mesh, axis="model", *, inputs=None):
     size = _axis_size(device_mesh, axis)
     calls = layer_calls.traced_calls(model, inputs)
     placements = _placements(calls, axis, size)
+    ranks = {}
+    for call in calls:
+        shape = layer_calls.shape_of(call.output)
+        ranks.setdefault(call.layer, None if shape is None else len(shape))
     plan = {
-        re.escape(layer_path(layer)): placement.style
+        re.escape(layer_path(layer)): _at_traced_rank(
+            placement.style, ranks[layer]
+        )
         for layer, placement in placements.items()
         if placement.style is not None
     }
     return AutoPlan(plan, _report(model, placements))
+
+
+def _at_traced_rank(style, rank):
+    """`style`, with the output layout at the rank the trace saw."""
+    return functools.partial(_traced_rank_layouts, style=style, rank=rank)
+
+
+def _traced_rank_layouts(layer, batch_dim_name, style, rank):
+    """A style's layouts, the output's at the traced rank.
+
+    A sublayer of a subclassed layer has no functional node, so the
+    style reads its output rank from the shape it was built with; a
+    layer built on `(batch, sequence, features)` may be called on
+    `(tokens, features)` (a mixture of experts flattens its tokens).
+    The first dimension keeps its entry, the last ones theirs.
+    """
+    entries = style(layer, batch_dim_name)
+    key = f"{layer_path(layer)}/output"
+    axes = entries.get(key)
+    if axes is None or rank is None or len(axes) == rank:
+        return entries
+    tail = tuple(axes[1:])[len(axes) - rank :] if rank > 1 else ()
+    entries[key] = (axes[0],) + (None,) * (rank - 1 - len(tail)) + tail
+    return entries
 
 
 @keras_export("keras.distribution.auto_tensor_parallel_layouts")

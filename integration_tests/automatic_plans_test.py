@@ -1,0 +1,102 @@
+"""keras-hub models train under the automatic tensor-parallel plan.
+
+One launch of `workers/automatic_plans_worker.py` on 2 gloo processes
+trains tiny keras-hub models (the backbone, then logits from its
+reversed token embedding) for 3 steps without a distribution, then on a
+(1, 2) ("batch", "model") mesh laid out only by
+`auto_tensor_parallel_layouts`. Losses and final weights must equal the
+single-process run on every rank; each rank holds the parameter bytes
+the plan allows (half of every split variable); and the third step
+issues Megatron's minimum of collectives: per block, two all-reduces
+forward (after the attention and MLP row-parallel projections) and two
+backward (the inputs' gradients of the column-parallel ones), plus the
+vocabulary-split embedding's all-reduce forward and the head's gather of
+the logits forward and its input gradient's all-reduce backward.
+
+CI trains the dense models below (about 50 s); the mixtures of experts
+(`MixtralBackbone`, `QwenMoeBackbone`) take about 40 s more each, in
+DTensor's sharding propagation of their expert einsums, so they run
+where `KERAS_DTENSOR_AUTO_PLAN_MODELS` names them (a comma-separated
+list of keras-hub backbone classes, replacing the default).
+"""
+
+import os
+
+import harness
+import numpy as np
+import pytest
+
+harness.require("keras_hub")
+
+NPROCS = 2
+DEFAULT_MODELS = "GemmaBackbone,Llama3Backbone,GPT2Backbone,BertBackbone"
+MODELS = os.environ.get("KERAS_DTENSOR_AUTO_PLAN_MODELS", DEFAULT_MODELS).split(
+    ","
+)
+NUM_LAYERS = 2
+# The worker's mixtures of experts: their feed-forward blocks are
+# expert-parallel, not a column/row pair.
+MIXTURES = ("MixtralBackbone", "QwenMoeBackbone")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return harness.launch(
+        "automatic_plans_worker.py",
+        NPROCS,
+        tmp_path_factory.mktemp("automatic_plans"),
+        args=MODELS,
+        timeout=400,
+    )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_training_equals_no_distribution(reports, model):
+    for rank, report in enumerate(reports):
+        np.testing.assert_allclose(
+            report[f"{model}/losses"],
+            report[f"{model}/reference/losses"],
+            rtol=1e-5,
+            err_msg=f"rank{rank}",
+        )
+        final = report[f"{model}/final_weights"]
+        reference = report[f"{model}/reference/final_weights"]
+        assert len(final) == len(reference)
+        for a, b in zip(final, reference):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"rank{rank}"
+            )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameters_per_rank_at_the_plans_limit(reports, model):
+    for report in reports:
+        assert report[f"{model}/bytes"] == report[f"{model}/expected_bytes"]
+        # The plan split most of the model.
+        assert (
+            report[f"{model}/bytes"] < 0.7 * report[f"{model}/reference/bytes"]
+        )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_report_splits_every_block(reports, model):
+    report = reports[0][f"{model}/report"]
+    assert report == reports[1][f"{model}/report"]
+    styles = [line.split(": ", 1)[1].split(",")[0] for line in report]
+    expected_rows = NUM_LAYERS * (1 if model in MIXTURES else 2)
+    assert styles.count("row") == expected_rows
+    assert styles.count("vocabulary") == 1
+    if model in MIXTURES:
+        assert styles.count("experts") == NUM_LAYERS
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m not in MIXTURES])
+def test_collectives_at_megatrons_minimum(reports, model):
+    for report in reports:
+        counts = report[f"{model}/counts"]
+        assert counts["forward"] == 2 * NUM_LAYERS + 2, counts
+        assert counts["backward"] == 2 * NUM_LAYERS + 1, counts
+        assert counts["ops"] == {
+            "all_reduce": 4 * NUM_LAYERS + 2,
+            "all_gather_into_tensor": 1,
+        }
