@@ -295,7 +295,10 @@ def edit_weights_store_reads_by_part(saving_lib):
     reads only its part, `edit_variable_reads_its_shard`; any other reader
     gets the whole array from `numpy.asarray`), and `H5IOStore` opens an
     archive's member with `zip_members.open_stored_member` where it can.
-    `ShardedH5IOStore` reads through `H5IOStore.__getitem__`.
+    A weights file on the disk is opened with
+    `dataset_views.open_for_blocks` (no HDF5 sieve buffer, which reads
+    whole rows around a block of columns). `ShardedH5IOStore` reads through
+    `H5IOStore.__getitem__` and `_get_h5_file`.
     """
     if not support.is_torch_backend():
         return
@@ -312,14 +315,15 @@ def edit_weights_store_reads_by_part(saving_lib):
         return dataset_views.DatasetView(dataset)
 
     def _get_h5_file(self, path_or_io, mode=None):
-        if (
-            self.archive is None
-            or (mode or self.mode) != "r"
-            or not _distribution_is_set()
-        ):
+        if (mode or self.mode) != "r" or not _distribution_is_set():
             return upstream_get_h5_file(self, path_or_io, mode=mode)
+        from keras.src.saving import dataset_views
         from keras.src.saving import zip_members
 
+        if self.archive is None:
+            if isinstance(path_or_io, (str, os.PathLike)):
+                return dataset_views.open_for_blocks(path_or_io)
+            return upstream_get_h5_file(self, path_or_io, mode=mode)
         member = zip_members.open_stored_member(self.archive, str(path_or_io))
         if member is None:
             return upstream_get_h5_file(self, path_or_io, mode=mode)

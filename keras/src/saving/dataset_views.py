@@ -11,6 +11,11 @@ process holds (`read_blocks`); any other reader converts the view with
 A view may outlive the file handle it came from: a sharded weights store
 closes a shard file once it has looked a key up in it. The view then opens
 its file again, by name, for the read.
+
+Files read by blocks are opened with `open_for_blocks`, without HDF5's
+data sieve buffer: through it, a block of columns is read in pieces of 64
+KiB around each of its rows, which reads the whole array where its rows
+are short.
 """
 
 import os
@@ -19,6 +24,17 @@ import ml_dtypes
 import numpy as np
 
 from keras.src.utils.module_utils import h5py
+
+
+def open_for_blocks(path):
+    """Opens the HDF5 file `path` for reading blocks, without a sieve
+    buffer: each row of a block is read as it is, and only it."""
+    properties = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    properties.set_sieve_buf_size(0)
+    file_id = h5py.h5f.open(
+        os.fsencode(path), h5py.h5f.ACC_RDONLY, fapl=properties
+    )
+    return h5py.File(file_id)
 
 
 class DatasetView:
@@ -65,7 +81,7 @@ class DatasetView:
                 "name "
                 f"({self._filename!r})."
             )
-        with h5py.File(self._filename, "r") as f:
+        with open_for_blocks(self._filename) as f:
             return self._converted(f[self._dataset_path][selection])
 
     def read_blocks(self, blocks):
@@ -81,7 +97,7 @@ class DatasetView:
         """
         if self._dataset.id.valid:
             return [self._read(self._dataset, block) for block in blocks]
-        with h5py.File(self._filename, "r") as f:
+        with open_for_blocks(self._filename) as f:
             dataset = f[self._dataset_path]
             return [self._read(dataset, block) for block in blocks]
 

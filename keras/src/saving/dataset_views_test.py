@@ -4,9 +4,13 @@ The views under a distribution, with variables reading their parts, are
 tested in `integration_tests/sliced_loading_test.py`.
 """
 
+import os
+import re
+
 import h5py
 import ml_dtypes
 import numpy as np
+import pytest
 
 from keras.src.saving import dataset_views
 
@@ -57,3 +61,24 @@ def test_bfloat16_arrays_read_as_bfloat16(tmp_path):
         (block,) = view.read_blocks([(slice(2, 5),)])
         assert block.dtype == np.dtype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(block, value[2:5])
+
+
+def read_chars():
+    with open("/proc/self/io") as f:
+        return int(re.search(r"rchar:\s+(\d+)", f.read()).group(1))
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/io"), reason="reads /proc/self/io"
+)
+def test_a_block_of_columns_reads_its_bytes_only(tmp_path):
+    value = np.ones((1024, 2048), dtype="float32")  # 8 MiB, rows of 8 KiB.
+    path = saved(tmp_path, value)
+    with dataset_views.open_for_blocks(path) as f:
+        view = dataset_views.DatasetView(f["group/x"])
+        before = read_chars()
+        (block,) = view.read_blocks([(slice(0, 1024), slice(0, 512))])
+        read = read_chars() - before
+    assert block.nbytes == 2 * 2**20
+    # HDF5's sieve buffer would read 64 KiB around each row: all 8 MiB.
+    assert read < 1.1 * block.nbytes
