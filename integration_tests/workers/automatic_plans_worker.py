@@ -1,7 +1,8 @@
 """Trains tiny keras-hub models laid out by `auto_tensor_parallel_layouts`.
 
-Usage: automatic_plans_worker.py MODEL [MODEL ...] (under torchrun; a
-("batch", "model") mesh of (1, 2) on 2 processes, (2, 2) on 4).
+Usage: automatic_plans_worker.py MODEL[@hub][+generate] ... (under
+torchrun; a ("batch", "model") mesh of (1, 2) on 2 processes, (2, 2) on
+4).
 
 For each MODEL (a keras-hub backbone class name), it builds a tiny model
 (the backbone, then logits from its reversed token embedding), trains it
@@ -11,7 +12,10 @@ with the layout map `auto_tensor_parallel_layouts` derives (under
 `<MODEL>/...`). It reports the losses, final weights, the plan's report,
 the local bytes of parameters on this rank, and the collectives of the
 third step (forward and backward, by op, counted as the benchmark's
-`CollectiveCounter` counts them).
+`CollectiveCounter` counts them). With `+generate`, the trained backbone's
+`CausalLM` then generates greedily from two prompts, in both runs. With
+`@hub`, the backbone's own `get_layout_map` lays it out instead (results
+under `<MODEL>@hub/...`), for comparison.
 """
 
 import os
@@ -33,6 +37,7 @@ import keras_dtensor as kd  # noqa: E402
 
 SEED = 1337
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
+GENERATE_LENGTH = 10
 COMMON = {
     "vocabulary_size": VOCAB,
     "num_layers": 2,
@@ -52,20 +57,20 @@ CONFIGS = {
         "num_experts": 4,
         "top_k": 2,
     },
-    "GPT2Backbone": {**COMMON, "num_heads": 4, "max_sequence_length": SEQ},
-    "BertBackbone": {**COMMON, "num_heads": 4, "max_sequence_length": SEQ},
+    "GPT2Backbone": {**COMMON, "num_heads": 4, "max_sequence_length": 2 * SEQ},
+    "BertBackbone": {**COMMON, "num_heads": 4, "max_sequence_length": 2 * SEQ},
     # Not trained in CI (see automatic_plans_test.py), run on request.
     "Gemma3Backbone": {**COMMON, **GQA, "head_dim": 4, "image_size": 16},
     "MistralBackbone": {**COMMON, **GQA},
     "Phi3Backbone": {**COMMON, **GQA},
     "Qwen3Backbone": {**COMMON, **GQA, "head_dim": 4},
-    "OPTBackbone": {**COMMON, "num_heads": 4, "max_sequence_length": SEQ},
+    "OPTBackbone": {**COMMON, "num_heads": 4, "max_sequence_length": 2 * SEQ},
     # A rotary share of a quarter needs a head size of 8.
     "GPTNeoXBackbone": {
         **COMMON,
         "hidden_dim": 32,
         "num_heads": 4,
-        "max_sequence_length": SEQ,
+        "max_sequence_length": 2 * SEQ,
     },
     "FalconBackbone": {**COMMON, "num_attention_heads": 4},
     "BloomBackbone": {**COMMON, "num_heads": 4},
@@ -98,31 +103,37 @@ def build_model(name):
     if isinstance(outputs, dict):  # BERT: the sequence output.
         outputs = outputs["sequence_output"]
     logits = backbone.token_embedding(outputs, reverse=True)
-    return keras.Model(backbone.input, logits)
+    return keras.Model(backbone.input, logits), backbone
 
 
-def build_distributed_model(name, mesh):
-    """The model, laid out by the automatic plan, as a user writes it:
-    abstract, planned, then created sharded when the scope ends."""
+def build_distributed_model(key, mesh):
+    """The model, laid out by the automatic plan (by the backbone's own
+    `get_layout_map` for a `@hub` key), as a user writes it: abstract,
+    planned, then created sharded when the scope ends."""
+    name, _, hub = key.partition("@")
     with keras.StatelessScope():
-        model = build_model(name)
-        plan, report = kd.auto_tensor_parallel_plan(model, mesh)
-        layout_map = kd.auto_tensor_parallel_layouts(model, mesh)
+        model, backbone = build_model(name)
+        if hub:
+            layout_map = type(backbone).get_layout_map(mesh)
+        else:
+            plan, report = kd.auto_tensor_parallel_plan(model, mesh)
+            layout_map = kd.tensor_parallel_layouts(model, mesh, plan)
+            record(f"{key}/report", report)
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(layout_map=layout_map)
         )
-    record(f"{name}/report", report)
-    record(f"{name}/expected_bytes", planned_bytes(model, layout_map, mesh))
-    return model
+    record(f"{key}/expected_bytes", planned_bytes(model, layout_map, mesh))
+    return model, backbone
 
 
-def train(name, mesh=None):
+def train(key, mesh=None):
     """Trains for `STEPS` steps; counts the collectives of the last one
     when distributed."""
+    name = key.partition("@")[0]
     if mesh is None:
-        model = build_model(name)
+        model, backbone = build_model(name)
     else:
-        model = build_distributed_model(name, mesh)
+        model, backbone = build_distributed_model(key, mesh)
     model.compile(
         optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -135,7 +146,26 @@ def train(name, mesh=None):
             counts = counter.counts()
         else:
             losses.append(float(model.train_on_batch(x, y)))
-    return model, losses, counts
+    return model, backbone, losses, counts
+
+
+def generate(name, backbone):
+    """Greedy generation from two prompts of 3 and 5 tokens, by the
+    backbone's `CausalLM` (under the distribution set now)."""
+    task_class = getattr(keras_hub.models, name.replace("Backbone", "CausalLM"))
+    task = task_class(backbone=backbone, preprocessor=None)
+    task.compile(sampler="greedy")
+    rng = np.random.default_rng(1)
+    token_ids = np.zeros((2, GENERATE_LENGTH), "int32")
+    padding_mask = np.zeros((2, GENERATE_LENGTH), "int32")
+    for row, length in enumerate((3, 5)):
+        token_ids[row, :length] = rng.integers(1, VOCAB, size=length)
+        padding_mask[row, :length] = 1
+    outputs = task.generate(
+        {"token_ids": token_ids, "padding_mask": padding_mask},
+        stop_token_ids=None,
+    )
+    return np.asarray(outputs["token_ids"]).tolist()
 
 
 def planned_bytes(model, layout_map, mesh):
@@ -162,15 +192,20 @@ def local_bytes(model):
     return total
 
 
-def run(name):
+def run(spec):
+    """Trains (and with `+generate`, generates with) one model."""
+    key, _, generating = spec.partition("+")
+    name = key.partition("@")[0]
     keras.distribution.set_distribution(None)
-    model, losses, _ = train(name)
-    record(f"{name}/reference/losses", losses)
+    model, backbone, losses, _ = train(name)
+    if generating:
+        record(f"{key}/reference/generated", generate(name, backbone))
+    record(f"{key}/reference/losses", losses)
     record(
-        f"{name}/reference/final_weights",
+        f"{key}/reference/final_weights",
         [w.tolist() for w in model.get_weights()],
     )
-    record(f"{name}/reference/bytes", local_bytes(model))
+    record(f"{key}/reference/bytes", local_bytes(model))
     devices = keras.distribution.list_devices()
     # (1, 2) on 2 processes, (2, 2) on 4.
     rows = 1 if len(devices) <= 2 else 2
@@ -178,13 +213,15 @@ def run(name):
         (rows, len(devices) // rows), ("batch", "model"), devices
     )
     start = time.perf_counter()
-    model, losses, counts = train(name, mesh)
-    record(f"{name}/seconds", time.perf_counter() - start)
+    model, backbone, losses, counts = train(key, mesh)
+    if generating:
+        record(f"{key}/generated", generate(name, backbone))
+    record(f"{key}/seconds", time.perf_counter() - start)
     keras.distribution.set_distribution(None)
-    record(f"{name}/losses", losses)
-    record(f"{name}/final_weights", [w.tolist() for w in model.get_weights()])
-    record(f"{name}/bytes", local_bytes(model))
-    record(f"{name}/counts", counts)
+    record(f"{key}/losses", losses)
+    record(f"{key}/final_weights", [w.tolist() for w in model.get_weights()])
+    record(f"{key}/bytes", local_bytes(model))
+    record(f"{key}/counts", counts)
 
 
 def main():

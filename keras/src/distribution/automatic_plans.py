@@ -532,20 +532,18 @@ def _unplaced(layer):
 
 def _without_user_layers(model, plan, layout_map):
     """`plan` without the layers `layout_map` lays out a key of."""
-    kept = {}
+    # The plan's keys are escaped layer paths.
     layers = {
-        layer_path(layer): layer
+        re.escape(layer_path(layer)): layer
         for layer in layout_composition.called_layers(model)
     }
+    kept = {}
     for pattern, style in plan.items():
-        layer = layers[_unescaped(pattern, layers)]
-        keys = [v.path for v in layer.weights] + [f"{layer_path(layer)}/output"]
+        layer = layers[pattern]
+        keys = [v.path for v in layer.weights]
+        keys.append(f"{layer_path(layer)}/output")
         if not any(
             layout_composition.matching_keys(layout_map, key) for key in keys
         ):
             kept[pattern] = style
     return kept
-
-
-def _unescaped(pattern, layers):
-    return next(path for path in layers if re.fullmatch(pattern, path))
