@@ -16,7 +16,10 @@ the count of each collective (counts, not times):
   input and output replicated by `<layer>/output` layouts) under
   `ModelParallel` on a (1, 2) mesh: 1 all-reduce forward (counted when
   the loss function is called) and 1 backward (the rest of the step), the
-  minimum; no gradient needs a reduction after backward.
+  minimum; no gradient needs a reduction after backward. With LoRA on
+  the block's two layers (replicated factors), their gradients add one
+  bucketed all-reduce (the partial ones) and one all-gather (the split
+  ones, `gather_bucket`).
 - The same MLP fully sharded (`fully_sharded_layouts` on a (2,) "batch"
   mesh, its two hidden kernels sharded): the model runs on local tensors;
   its two small sharded kernels form one unit (consecutive units are
@@ -71,6 +74,7 @@ RUNS = [
     "dp:sgd:0",
     "tp:sgd",
     "tp:adamw",
+    "tplora:sgd",
     "fsdp:sgd",
     "fsdp:adamw",
     "fsdp:sgd::0",
@@ -94,6 +98,7 @@ BUCKETED = "c10d.allreduce_"
 DTENSOR_ALL_REDUCE = "c10d_functional.all_reduce"
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
 REDUCE_SCATTER = "c10d_functional.reduce_scatter_tensor"
+GATHERED = "c10d._allgather_base_"
 VARIABLE = ("kernel", "bias")
 # The variables that `fully_sharded_layouts` shards in the `fsdp` runs.
 FSDP_SHARDED = ("d1/kernel", "d2/kernel")
@@ -215,6 +220,21 @@ def test_tensor_parallel_block_needs_one_all_reduce_each_way(
         # No gradient bucket is finished, no local loss all-reduced: the
         # block's all-reduces are DTensor's own.
         assert report[f"{run}/events"] == []
+
+
+def test_lora_factor_gradients_take_one_bucket_each_way(reports):
+    """The block's all-reduces, then the replicated LoRA factors'
+    gradients: the partial ones all-reduced in one bucket, the split ones
+    (each layer's factor on the split side of its kernel) gathered in
+    one all-gather (`gather_bucket`), not one each."""
+    for report in reports:
+        run = "tplora:sgd"
+        assert report[f"{run}/forward_counts"] == {DTENSOR_ALL_REDUCE: 1}
+        assert counts(report, run) == {
+            DTENSOR_ALL_REDUCE: 2,
+            BUCKETED: 1,
+            GATHERED: 1,
+        }
 
 
 @pytest.mark.parametrize("case", LOSS_CASES)

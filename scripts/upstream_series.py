@@ -121,6 +121,7 @@ MODULE_PATCHES = (
         [
             T + "reducer.py",
             T + "gradient_bucket.py",
+            T + "gather_bucket.py",
             T + "bucket_assignment.py",
             T + "bucket_riders.py",
             T + "local_gradients.py",

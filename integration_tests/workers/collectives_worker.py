@@ -4,7 +4,9 @@ Usage: collectives_worker.py RUN [RUN ...] (under torchrun), each RUN
 being `MODE:OPTIMIZER[:CAP[:UNIT_CAP]]`:
   MODE: `dp` (`DataParallel`, a 3-layer MLP), `tp` (`ModelParallel` on a
     (1, N) mesh, a replicated layer, then a Megatron MLP block: column-
-    then row-parallel kernels, then a replicated head) or `fsdp`
+    then row-parallel kernels, then a replicated head), `tplora` (`tp`
+    with LoRA on the block's two layers: replicated factors whose
+    gradients come split or partial) or `fsdp`
     (`ModelParallel` on an (N,) "batch" mesh, the MLP of `dp` laid out by
     `fully_sharded_layouts`: its two hidden kernels sharded, the head's
     kernel and the biases replicated), `fsdpblocks` (the same layouts
@@ -88,7 +90,11 @@ def build(mode):
         x = keras.layers.Dense(HIDDEN, activation="relu", name="up")(x)
         x = keras.layers.Dense(FEATURES, name="down")(x)
     outputs = keras.layers.Dense(4, name="head")(x)
-    return keras.Model(inputs, outputs)
+    model = keras.Model(inputs, outputs)
+    if mode == "tplora":
+        for name in ("up", "down"):
+            model.get_layer(name).enable_lora(2)
+    return model
 
 
 # Layouts under `tp`: a Megatron block between replicated layers.
@@ -158,7 +164,9 @@ def train(mode, optimizer_name, distributed=True):
     if mode.startswith("fsdp") and distributed:
         set_fully_sharded_distribution(mode)
     else:
-        distribution_mode = {"dp": "dp", "tp": "mp"}.get(mode, "single")
+        distribution_mode = {"dp": "dp", "tp": "mp", "tplora": "mp"}.get(
+            mode, "single"
+        )
         worker_utils.set_distribution(
             distribution_mode if distributed else "single", MP_LAYOUTS
         )

@@ -11,22 +11,24 @@ backward ends (`_finish_backward`, queued on the autograd engine), the
 open buckets are launched and every bucket is finished: each gradient
 becomes a view of its reduced bucket, laid out like its parameter. Each
 gradient is reduced exactly once per step, and the optimizer never meets
-a partial gradient. Gradients that need more than an all-reduce of
-partial sums are redistributed by DTensor directly.
+a partial gradient. Gradients split along a mesh axis where their
+parameter is whole wait in a bucket of their own and are gathered
+together when backward ends (`gather_bucket`); any other that needs more
+than an all-reduce of partial sums is redistributed by DTensor directly.
 
 Collective order: buckets are filled in the order the autograd engine
 accumulates gradients, the same on every process since every process
 runs the same program; collectives are issued in the same order
 everywhere.
 
-State: a `Reducer` holds one backward pass's buckets, launched and open,
-the riders waiting for its last buckets (`bucket_riders`) and whether
-its finalizer is queued. The process's `ReducerContext` holds the
-reducer of the backward pass in progress (or of the next one) and the
-plans and layouts kept across passes. A backward pass that raised runs
-no finalizer: a step that raises calls `discard_pending`, which waits
-for the buckets it launched and drops them, so no collective of a step
-outlives it.
+State: a `Reducer` holds one backward pass's buckets, launched and open
+(and gathering), the riders waiting for its last buckets
+(`bucket_riders`) and whether its finalizer is queued. The process's
+`ReducerContext` holds the reducer of the backward pass in progress (or
+of the next one) and the plans and layouts kept across passes. A
+backward pass that raised runs no finalizer: a step that raises calls
+`discard_pending`, which waits for the buckets it launched and drops
+them, so no collective of a step outlives it.
 """
 
 import os
@@ -35,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras.src.backend.torch import bucket_assignment
+from keras.src.backend.torch import gather_bucket
 from keras.src.backend.torch import gradient_bucket
 from keras.src.backend.torch import parameter_gradients
 from keras.src.backend.torch import torch_internals
@@ -70,6 +73,9 @@ class Reducer:
         # `bucket_riders.Rider`s waiting for the buckets launched when
         # backward ends.
         self.riders = []
+        # (id(mesh), mesh axis, dtype) -> the `gather_bucket.GatherBucket`
+        # of gradients gathered over that axis when backward ends.
+        self.gathers = {}
 
     def add(self, parameter, local, reduction, key):
         """Adds a local gradient to its open bucket; launches the bucket
@@ -84,6 +90,17 @@ class Reducer:
             self.cap_bytes = bucket_cap_bytes(mesh, not self.launched)
         if bucket.nbytes >= self.cap_bytes:
             self._launch(key)
+
+    def gather(self, parameter, local, mesh, gathered):
+        """Adds a local gradient to the bucket of gradients gathered over
+        its mesh axis (`gathered`: the axis and the split dimension)."""
+        axis, dim = gathered
+        key = (id(mesh), axis, local.dtype)
+        bucket = self.gathers.get(key)
+        if bucket is None:
+            bucket = gather_bucket.GatherBucket(mesh, axis, self.layouts)
+            self.gathers[key] = bucket
+        bucket.add(parameter, local, dim)
 
     def _launch(self, key):
         bucket = self.open.pop(key)
@@ -117,6 +134,9 @@ class Reducer:
                 bucket.launch(
                     [rider for rider in self.riders if rider.key == key]
                 )
+                self.launched.append(bucket)
+            for bucket in self.gathers.values():
+                bucket.launch()
                 self.launched.append(bucket)
             for bucket in self.launched:
                 bucket.finish(assigned)
@@ -186,14 +206,24 @@ def reduce_gradient_when_ready(parameter):
         )
         return
     pending = state.reducer
-    if reduction is None or not pending.queue_finalizer():
-        parameter.grad = parameter_gradients.redistribute_gradient(
-            grad, parameter
-        )
-        return
     # Backward hooks run without gradient tracking: the local tensor is
     # read directly (`to_local` would add an autograd node).
-    pending.add(parameter, torch_internals.local_tensor(grad), reduction, key)
+    if reduction is not None:
+        if pending.queue_finalizer():
+            pending.add(
+                parameter, torch_internals.local_tensor(grad), reduction, key
+            )
+            return
+    else:
+        gathered = gather_bucket.gathered_dim(
+            torch_internals.spec_of(grad), torch_internals.spec_of(parameter)
+        )
+        if gathered is not None and pending.queue_finalizer():
+            pending.gather(
+                parameter, torch_internals.local_tensor(grad), key[0], gathered
+            )
+            return
+    parameter.grad = parameter_gradients.redistribute_gradient(grad, parameter)
 
 
 def reduced_by_buckets(parameter):
