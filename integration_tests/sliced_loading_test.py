@@ -120,6 +120,9 @@ def test_files_saved_under_distribution_load_in_plain_keras(reports):
             "model.weights.json",
         ]
         assert len(report["saved/listing"]) > 3
+        # `.keras`: every sharded variable (weights and optimizer slots)
+        # written as gathered; the sharded format gathers each whole.
+        assert report["saved/by_chunks"] == report["saved/sharded_variables"]
         assert_same_arrays(report["saved/values"], saved)
         assert_same_arrays(report["saved/plain_keras"], saved)
         assert_same_arrays(report["saved/plain_sharded"], saved)

@@ -334,6 +334,82 @@ def edit_weights_store_reads_by_part(saving_lib):
     store._get_h5_file = _get_h5_file
 
 
+def edit_weights_store_writes_by_chunks(saving_lib):
+    """Under a distribution, `H5IOStore` writes a sharded variable as it
+    gathers it, a chunk of rows at a time.
+
+    Stands for: in `keras/src/saving/saving_lib.py`, when a distribution
+    is set, `H5IOStore.__setitem__` of a variable (or DTensor) whose value
+    is sharded, of a dtype numpy holds, creates the dataset and fills it
+    with `shard_writes.write_by_chunks` (each process sends process 0 its
+    local tensor a chunk at a time; no process gathers the full value).
+    `ShardedH5IOStore.__setitem__` gathers the value first, as upstream.
+    """
+    if not support.is_torch_backend():
+        return
+    store = saving_lib.H5IOStore
+    upstream_setitem = store.__setitem__
+
+    def __setitem__(self, key, value):
+        parameter = _sharded_dtensor(value) if self.mode == "w" else None
+        if parameter is None or not _distribution_is_set():
+            return upstream_setitem(self, key, value)
+        from keras.src.backend.torch import shard_writes
+
+        if not self._h5_entry_initialized:
+            self._create_h5_group(self._h5_entry_path)
+        dataset = self._h5_entry_group.create_dataset(
+            key,
+            shape=tuple(parameter.shape),
+            dtype=saving_lib.backend.standardize_dtype(parameter.dtype),
+        )
+        shard_writes.write_by_chunks(parameter, dataset.__setitem__)
+
+    store.__setitem__ = __setitem__
+
+
+def _sharded_dtensor(value):
+    """The sharded DTensor value of a variable or DTensor, or None (also
+    for bfloat16, which h5py stores as upstream converts it)."""
+    from torch.distributed.tensor import DTensor
+
+    value = getattr(value, "_value", value)
+    if not isinstance(value, DTensor) or value.dtype == _bfloat16():
+        return None
+    if not any(p.is_shard() for p in value.placements):
+        return None
+    return value
+
+
+def _bfloat16():
+    import torch
+
+    return torch.bfloat16
+
+
+def edit_optimizer_saves_variables(base_optimizer):
+    """Under a distribution, an optimizer saves its variables, not their
+    gathered numpy values, so that the weights store gathers them as it
+    writes (`edit_weights_store_writes_by_chunks`).
+
+    Stands for: in `keras/src/optimizers/base_optimizer.py`,
+    `BaseOptimizer.save_own_variables` stores `variable` rather than
+    `variable.numpy()` (every store converts what it is given).
+    """
+    if not support.is_torch_backend():
+        return
+    optimizer = base_optimizer.BaseOptimizer
+    upstream_save_own_variables = optimizer.save_own_variables
+
+    def save_own_variables(self, store):
+        if not _distribution_is_set():
+            return upstream_save_own_variables(self, store)
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = variable
+
+    optimizer.save_own_variables = save_own_variables
+
+
 def edit_keras_archive_loads_in_place(saving_lib):
     """Under a distribution, `load_model` of a `.keras` archive reads its
     weights in place, and saving one writes them through a file.
@@ -425,7 +501,11 @@ POST_IMPORT_EDITS = {
     "keras.src.callbacks.backup_and_restore": lambda: [edit_backup_and_restore],
     "keras.src.saving.saving_lib": lambda: [
         edit_weights_store_reads_by_part,
+        edit_weights_store_writes_by_chunks,
         edit_keras_archive_loads_in_place,
+    ],
+    "keras.src.optimizers.base_optimizer": lambda: [
+        edit_optimizer_saves_variables
     ],
     "keras.src.backend.torch.core": lambda: [edit_variable_reads_its_shard],
 }

@@ -203,9 +203,14 @@ MODULE_PATCHES = (
     ),
     (
         "0045-saving-sliced-loading.patch",
-        "Loading under a distribution: saved arrays read by each process's "
-        "part",
-        [S + "dataset_views.py", S + "zip_members.py", T + "shard_reads.py"],
+        "Keras files under a distribution: each process reads and writes "
+        "its part",
+        [
+            S + "dataset_views.py",
+            S + "zip_members.py",
+            T + "shard_reads.py",
+            T + "shard_writes.py",
+        ],
     ),
 )
 

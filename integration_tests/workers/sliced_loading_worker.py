@@ -14,8 +14,9 @@ Usage: sliced_loading_worker.py WORK_DIR (on 4 processes)
 3. Uneven shapes (rows that DTensor splits as 2, 2, 1, 0): raw DTensor
    parameters assigned from the saved arrays, their local tensors
    against DTensor's own split of the full array.
-4. Under the (2, 2) mesh, the model saves `.keras` and the sharded
-   format; with the distribution unset, plain keras loads both.
+4. Under the (2, 2) mesh, the model saves `.keras` (its sharded
+   variables written as gathered, in chunks of a few rows) and the
+   sharded format; with the distribution unset, plain keras loads both.
 5. keras-hub (where installed): a tiny Gemma saved with `save_to_preset`
    loads with `from_preset` under its published layout map.
 """
@@ -31,6 +32,7 @@ from worker_utils import record
 
 import keras
 from keras.src.backend.torch import shard_reads
+from keras.src.backend.torch import shard_writes
 from keras.src.saving import dataset_views
 from keras.src.saving import zip_members
 
@@ -224,6 +226,16 @@ def load_uneven(work):
 def save_and_read_plainly(work):
     set_distribution("several_axes")
     model = build_model(seed=SEED + 2)
+    # Chunks of a few rows: every sharded variable is sent in several.
+    shard_writes.CHUNK_BYTES = 4096
+    written = []
+    write_by_chunks = shard_writes.write_by_chunks
+
+    def counted(parameter, write):
+        written.append(tuple(parameter.shape))
+        return write_by_chunks(parameter, write)
+
+    shard_writes.write_by_chunks = counted
     record("saved/values", values(model))
     directory = os.path.join(work, "saved")
     os.makedirs(directory, exist_ok=True)
@@ -233,6 +245,14 @@ def save_and_read_plainly(work):
         max_shard_size=MAX_SHARD_GB,
     )
     record("saved/listing", sorted(os.listdir(directory)))
+    record("saved/by_chunks", len(written))
+    record(
+        "saved/sharded_variables",
+        sum(
+            any(p.is_shard() for p in v.value.placements)
+            for v in model.weights + model.optimizer.variables
+        ),
+    )
     keras.distribution.set_distribution(None)
     plain = keras.saving.load_model(os.path.join(directory, "model.keras"))
     record("saved/plain_keras", values(plain))

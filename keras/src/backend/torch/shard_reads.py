@@ -67,7 +67,7 @@ def assign_from_view(parameter, view, dtype):
 def write_blocks(local, positions, view, dtype):
     """Reads the elements at `positions` (per dimension, in local order)
     from `view` into the tensor `local`, chunk by chunk."""
-    for block in itertools.product(*[_runs(p) for p in positions]):
+    for block in itertools.product(*[runs_of(p) for p in positions]):
         for source, target in _chunks(block, view.dtype.itemsize):
             (value,) = view.read_blocks([source])
             local[target].copy_(convert_to_tensor(value, dtype=dtype))
@@ -140,7 +140,7 @@ def _placement_on_dim(placement, dim):
     return Replicate()
 
 
-def _runs(positions):
+def runs_of(positions):
     """Indices as runs `(start, stop, local offset)` of consecutive ones;
     an empty dimension is one empty run."""
     if len(positions) == 0:

@@ -34,13 +34,13 @@ class Recorded:
 
 
 def test_runs_of_consecutive_positions():
-    assert shard_reads._runs(np.array([3, 4, 5])) == [(3, 6, 0)]
-    assert shard_reads._runs(np.array([0, 1, 4, 5, 8])) == [
+    assert shard_reads.runs_of(np.array([3, 4, 5])) == [(3, 6, 0)]
+    assert shard_reads.runs_of(np.array([0, 1, 4, 5, 8])) == [
         (0, 2, 0),
         (4, 6, 2),
         (8, 9, 4),
     ]
-    assert shard_reads._runs(np.array([], dtype=np.int64)) == [(0, 0, 0)]
+    assert shard_reads.runs_of(np.array([], dtype=np.int64)) == [(0, 0, 0)]
 
 
 @pytest.mark.parametrize(
