@@ -22,8 +22,9 @@ seed on the same batches. For each run it reports:
 
 Modes: `none` (no distribution), `dp` (`DataParallel` over every
 process), `mp` (`ModelParallel` on a (1, N) ("batch", "model") mesh
-laid out by the backbone's own `get_layout_map`) and `mp2d` (the same on
-a (2, N / 2) mesh). On one process the
+laid out by the backbone's own `get_layout_map`), `mp2d` (the same on
+a (2, N / 2) mesh) and `auto` (the (1, N) mesh laid out by
+`keras_dtensor.auto_tensor_parallel_layouts`). On one process the
 meshes are (1,) and (1, 1). Run it under torchrun, e.g. on one GPU:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=1 \\
@@ -62,6 +63,7 @@ from torch.profiler import ProfilerActivity  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
 import keras  # noqa: E402
+import keras_dtensor  # noqa: E402
 
 SEED = 1337
 PRESETS = {
@@ -194,7 +196,7 @@ def set_distribution(mode, backbone_class):
     )
 
 
-def build_model(name, preset, lora_rank=0):
+def build_model(name, preset, lora_rank=0, compiled=True):
     """The backbone, then logits from its reversed token embedding; with
     LoRA adapters of `lora_rank` where it is not 0."""
     config = PRESETS[preset]
@@ -205,11 +207,16 @@ def build_model(name, preset, lora_rank=0):
         backbone.enable_lora(rank=lora_rank)
     logits = backbone.token_embedding(backbone.output, reverse=True)
     model = keras.Model(backbone.input, logits)
+    if compiled:
+        compile_model(model)
+    return model
+
+
+def compile_model(model):
     model.compile(
         optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    return model
 
 
 def synchronize():
@@ -320,8 +327,11 @@ def run_steps(model, label, args, batches):
 
 def train(name, mode, args, batches):
     """Trains one model under `mode`; returns its measurements."""
-    set_distribution(mode, BACKBONES[name])
-    model = build_model(name, args.preset, args.lora)
+    if mode == "auto":
+        model = build_auto_model(name, args.preset, args.lora)
+    else:
+        set_distribution(mode, BACKBONES[name])
+        model = build_model(name, args.preset, args.lora)
     result = run_steps(model, f"{name} {mode}", args, batches)
     result["dtensor_layers"] = dtensor_layers(model) if mode != "none" else []
     keras.distribution.set_distribution(None)
@@ -330,6 +340,27 @@ def train(name, mode, args, batches):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def build_auto_model(name, preset, lora_rank):
+    """`auto`: the model on a (1, N) mesh laid out by keras_dtensor's
+    `auto_tensor_parallel_layouts`, created sharded from its abstract
+    build."""
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ("batch", "model"), devices
+    )
+    with keras.StatelessScope():
+        model = build_model(name, preset, lora_rank, compiled=False)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=keras_dtensor.auto_tensor_parallel_layouts(
+                    model, mesh
+                )
+            )
+        )
+    compile_model(model)
+    return model
 
 
 def compare(result, reference):
