@@ -137,6 +137,11 @@ def parse_args(argv=None):
         "--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)."
     )
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="Compile the steps (`model.compile(jit_compile=True)`).",
+    )
     parser.add_argument("--out", default=None, help="Folder for the report.")
     parser.add_argument("--tag", default="keras_hub_step")
     return parser.parse_args(argv)
@@ -196,7 +201,7 @@ def set_distribution(mode, backbone_class):
     )
 
 
-def build_model(name, preset, lora_rank=0, compiled=True):
+def build_model(name, preset, lora_rank=0, compiled=True, jit_compile=False):
     """The backbone, then logits from its reversed token embedding; with
     LoRA adapters of `lora_rank` where it is not 0."""
     config = PRESETS[preset]
@@ -208,14 +213,15 @@ def build_model(name, preset, lora_rank=0, compiled=True):
     logits = backbone.token_embedding(backbone.output, reverse=True)
     model = keras.Model(backbone.input, logits)
     if compiled:
-        compile_model(model)
+        compile_model(model, jit_compile)
     return model
 
 
-def compile_model(model):
+def compile_model(model, jit_compile=False):
     model.compile(
         optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
     )
 
 
@@ -328,10 +334,12 @@ def run_steps(model, label, args, batches):
 def train(name, mode, args, batches):
     """Trains one model under `mode`; returns its measurements."""
     if mode == "auto":
-        model = build_auto_model(name, args.preset, args.lora)
+        model = build_auto_model(name, args.preset, args.lora, args.jit_compile)
     else:
         set_distribution(mode, BACKBONES[name])
-        model = build_model(name, args.preset, args.lora)
+        model = build_model(
+            name, args.preset, args.lora, jit_compile=args.jit_compile
+        )
     result = run_steps(model, f"{name} {mode}", args, batches)
     result["dtensor_layers"] = dtensor_layers(model) if mode != "none" else []
     keras.distribution.set_distribution(None)
@@ -342,7 +350,7 @@ def train(name, mode, args, batches):
     return result
 
 
-def build_auto_model(name, preset, lora_rank):
+def build_auto_model(name, preset, lora_rank, jit_compile=False):
     """`auto`: the model on a (1, N) mesh laid out by keras_dtensor's
     `auto_tensor_parallel_layouts`, created sharded from its abstract
     build."""
@@ -359,7 +367,7 @@ def build_auto_model(name, preset, lora_rank):
                 )
             )
         )
-    compile_model(model)
+    compile_model(model, jit_compile)
     return model
 
 
@@ -465,6 +473,7 @@ def header(args):
         f"{args.preset}, {args.precision}, SDPA {args.sdpa}, "
         f"{f'LoRA rank {args.lora}' if args.lora else 'full fine-tune'}, "
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled"
+        f"{', jit_compile=True' if args.jit_compile else ''}"
     )
 
 
