@@ -73,6 +73,15 @@ CONFIGS = {
         "max_sequence_length": 2 * SEQ,
     },
     "FalconBackbone": {**COMMON, "num_attention_heads": 4},
+    "QwenBackbone": {**COMMON, **GQA},
+    "Qwen3MoeBackbone": {
+        **COMMON,
+        **GQA,
+        "head_dim": 4,
+        "moe_intermediate_dim": 8,
+        "num_experts": 4,
+        "top_k": 2,
+    },
     "BloomBackbone": {**COMMON, "num_heads": 4},
 }
 
