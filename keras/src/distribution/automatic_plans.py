@@ -378,7 +378,8 @@ def _split_size(layer, axis, row=False):
         entries = layouts(layer, None, axis)
     except ValueError as error:
         return None, str(error)
-    kernel = layer.kernel
+    # The variable, not the `kernel` property (LoRA adds its product).
+    kernel = next(v for v in layer.weights if v.name == "kernel")
     axes = entries[kernel.path]
     return int(kernel.shape[axes.index(axis)]), None
 

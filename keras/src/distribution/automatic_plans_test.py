@@ -398,3 +398,18 @@ def test_keras_hub_backbone_plans(name):
     assert len(report) == len(
         [layer for layer in model._flatten_layers() if ap._own_variables(layer)]
     )
+
+
+def test_lora_layers_split_on_their_kernels():
+    model = toy_model(blocks=1)
+    for name in ("u", "v", "w"):
+        getattr(model.get_layer("b0"), name).enable_lora(2)
+    mesh = fake_mesh({"batch": 1, "model": 2})
+    plan, report = ap.auto_tensor_parallel_plan(model, mesh)
+    got = styles(report)
+    assert (got["b0/u"], got["b0/v"], got["b0/w"]) == ("column",) * 2 + ("row",)
+    axes = layout_map_axes(tp.tensor_parallel_layouts(model, mesh, plan))
+    assert axes["b0/u/kernel"] == (None, "model")
+    assert axes["b0/w/kernel"] == ("model", None)
+    # The adapters stay replicated.
+    assert not any("lora" in key for key in axes)
