@@ -96,8 +96,9 @@ def auto_tensor_parallel_plan(model, device_mesh, axis="model", *, inputs=None):
         why.
 
     Raises:
-        ValueError: when `axis` is not an axis of the mesh, or the model
-            cannot be called (see `layer_calls.traced_calls`).
+        ValueError: when `axis` is not an axis of the mesh, a
+            distribution is set, or the model cannot be called (see
+            `layer_calls.traced_calls`).
     """
     size = _axis_size(device_mesh, axis)
     calls = layer_calls.traced_calls(model, inputs)

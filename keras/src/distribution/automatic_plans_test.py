@@ -413,3 +413,34 @@ def test_lora_layers_split_on_their_kernels():
     assert axes["b0/w/kernel"] == ("model", None)
     # The adapters stay replicated.
     assert not any("lora" in key for key in axes)
+
+
+@pytest.mark.parametrize(
+    "rows, columns, style, axes",
+    [
+        (64, 16, "vocabulary", ("model", None)),
+        # A vocabulary that does not divide: the hidden size is split.
+        (63, 16, "hidden", (None, "model")),
+        (63, 15, "replicated", None),
+        # A small table (segments, positions) stays replicated.
+        (2, 16, "replicated", None),
+    ],
+)
+def test_embedding_split_by_vocabulary_or_hidden_size(
+    rows, columns, style, axes
+):
+    tokens = layers.Input((None,), dtype="int32", name="tokens")
+    outputs = layers.Embedding(rows, columns, name="table")(tokens)
+    model = models.Model(tokens, outputs)
+    mesh = fake_mesh({"batch": 1, "model": 2})
+    plan, report = ap.auto_tensor_parallel_plan(model, mesh)
+    assert styles(report) == {"table": style}
+    got = layout_map_axes(tp.tensor_parallel_layouts(model, mesh, plan))
+    if axes is None:
+        assert got == {}
+    else:
+        # The output is whole over the model axis either way.
+        assert got == {
+            "table/embeddings": axes,
+            "table/output": ("batch", None, None),
+        }

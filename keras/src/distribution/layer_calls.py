@@ -21,6 +21,7 @@ import functools
 from keras.src import backend
 from keras.src import tree
 from keras.src.backend.common.keras_tensor import KerasTensor
+from keras.src.distribution import distribution_lib
 
 LayerCall = collections.namedtuple("LayerCall", ["layer", "input", "output"])
 
@@ -46,9 +47,18 @@ def traced_calls(model, inputs=None):
         A list of `LayerCall`s.
 
     Raises:
-        ValueError: when `inputs` is not given and the model has no
-            `inputs` (a subclassed model).
+        ValueError: under a distribution, or when `inputs` is not given
+            and the model has no `inputs` (a subclassed model).
     """
+    if distribution_lib.distribution() is not None:
+        # Under a distribution, variables and layer outputs are laid out
+        # on the mesh, which abstract inputs are not.
+        raise ValueError(
+            f"Cannot trace the layer calls of model '{model.name}' under "
+            f"the distribution {distribution_lib.distribution()}: plan "
+            "before `set_distribution`, or call "
+            "`set_distribution(None)` first."
+        )
     inputs = _trace_inputs(model, inputs)
     records = []
     layers = [

@@ -6,7 +6,9 @@ from keras.src import backend
 from keras.src import layers
 from keras.src import models
 from keras.src import ops
+from keras.src.distribution import distribution_lib
 from keras.src.distribution import layer_calls
+from keras.src.distribution.distribution_lib import DeviceMesh
 
 
 class Pair(layers.Layer):
@@ -83,3 +85,14 @@ def test_explicit_inputs_for_a_subclassed_model():
         layer_calls.traced_calls(pair)
     calls = layer_calls.traced_calls(pair, backend.KerasTensor((None, 3, 4)))
     assert [call.layer.name for call in calls] == ["a", "b", "c"]
+
+
+def test_refused_under_a_distribution():
+    model = model_of(Pair(name="pair"))
+    mesh = DeviceMesh((1,), ("batch",), ["cpu:0"])
+    distribution_lib.set_distribution(distribution_lib.DataParallel(mesh))
+    try:
+        with pytest.raises(ValueError, match="plan before `set_distribution`"):
+            layer_calls.traced_calls(model)
+    finally:
+        distribution_lib.set_distribution(None)
