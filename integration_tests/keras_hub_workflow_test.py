@@ -19,7 +19,8 @@ same workflow run without a distribution, by the same process:
   and value replicated on (1, 2) and (2, 1), and under DataParallel; and
   the same Gemma under its published map on (1, 2), which splits the one
   key/value head and gets a clear error;
-- 4 processes: Gemma and Llama on (2, 2);
+- 4 processes: Gemma and Llama on (2, 2), with the collectives of one
+  more Gemma training step counted;
 - 2 processes, compiled: Gemma's LoRA `fit` with `jit_compile=True`
   on (1, 2), with its own layout map.
 """
@@ -63,7 +64,10 @@ LAUNCHES = {
             "gpt2:1x2+hand:generate",
         ],
     ),
-    "four": (4, ["gemma:2x2:tune+generate", "llama:2x2:generate"]),
+    "four": (
+        4,
+        ["gemma:2x2:tune+generate+count", "llama:2x2:generate"],
+    ),
     "compiled": (2, ["gemma:1x2:jit"]),
 }
 RUNS = [run for _, runs in LAUNCHES.values() for run in runs]
@@ -237,3 +241,21 @@ def test_compiled_lora_fit_equals_eager_one_process(launches):
         np.testing.assert_allclose(
             got["jit/losses"], ref["losses"], rtol=LOSS_RTOL
         )
+
+
+def test_two_dimensional_mesh_gathers_each_kernel_once(launches):
+    """On (2, 2), Gemma's map splits each kernel over "batch" (its hidden
+    size) and "model": a call on DTensors reads it gathered over "batch"
+    once, as FSDP's unit does, and the model axis stays tensor-parallel
+    (`batch_local._call_on_dtensors`). Forward: one all-gather per such
+    variable, plus at most two that gather no kernel (the token ids of
+    the vocabulary-split lookup among them); DTensor's own operators
+    moved activations instead (over a hundred all-gathers a step at the
+    `mid` size)."""
+    run = "gemma:2x2:tune+generate+count"
+    for report in reports_of(launches, run):
+        got = harness.run_values(report, run)
+        split = got["count/batch_split"]
+        assert split == 15  # The embedding and 7 kernels per block.
+        gathers = got["count/forward"]["all_gather_into_tensor"]
+        assert split <= gathers <= split + 2, got["count/forward"]

@@ -361,6 +361,34 @@ def checks(task, model, names, stop_token, run_dir):
         generate(task, stop_token)
     if "save" in names:
         save_and_reload(task, model, run_dir)
+    if "count" in names:
+        count_step(task)
+
+
+def count_step(task):
+    """Records the collectives of one more training step, by op, and the
+    number of variables split over the batch axis (the mesh's first)."""
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    )
+    from measure import CollectiveCounter
+
+    x, y, sample_weight = data()
+    batch = {key: value[:BATCH] for key, value in x.items()}
+    with CollectiveCounter() as counter:
+        task.train_on_batch(
+            batch, y[:BATCH], sample_weight=sample_weight[:BATCH]
+        )
+    phases = counter.comm_module_counts["Global"]
+    for phase in ("forward", "backward"):
+        record(
+            f"count/{phase}",
+            {str(op).rsplit(".", 1)[-1]: n for op, n in phases[phase].items()},
+        )
+    record(
+        "count/batch_split",
+        sum(v.value.placements[0].is_shard() for v in task.weights),
+    )
 
 
 def reference(model, names):

@@ -24,6 +24,10 @@ Contract:
   turns local calls off: every layer (and loss) then runs on DTensors.
 - The path depends only on the program and the global shapes: every
   process takes the same one, and the collectives stay in lockstep.
+- A call on DTensors (eager, outside remat) reads each variable split
+  over the batch axes and a model axis gathered over the batch axes, in
+  the order of the layer's variables, when the batch is split over more
+  than one process (`_call_on_dtensors`).
 """
 
 import os
@@ -31,6 +35,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
 from keras.src.backend.common import global_state
 from keras.src.backend.torch import created_tensors
@@ -39,6 +44,7 @@ from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
+from keras.src.distribution import distribution_lib
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
 # Whether layers proven local run on local tensors.
@@ -114,7 +120,7 @@ def _call_layer(layer, upstream_call, args, kwargs):
         signature = _signature((args, kwargs, training), leaves)
         placements = _batch_placements(leaves, mode.mesh)
     except _NotLocal:
-        return upstream_call(layer, *args, **kwargs)
+        return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
     plans = local_call_state.caches().plans.setdefault(layer, {})
     if signature not in plans:
         outputs, plans[signature] = local_call_checks.check_first_call(
@@ -122,9 +128,45 @@ def _call_layer(layer, upstream_call, args, kwargs):
         )
         return outputs
     plan = plans[signature]
-    if plan is None or plan.recomputes(layer):
+    if plan is not None and plan.recomputes(layer):
         return upstream_call(layer, *args, **kwargs)
+    if plan is None:
+        return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
     return local_calls.call_locally(layer, upstream_call, args, kwargs, plan)
+
+
+def _call_on_dtensors(layer, upstream_call, args, kwargs, mode):
+    """A call on DTensors that reads variables split over the batch axes
+    and a model axis gathered over the batch axes (FSDP's unshard, the
+    model axes left to DTensor), as a first call does
+    (`local_call_checks.UnshardedVariables`): DTensor's operators would
+    otherwise move activations to meet such a kernel (keras-hub's layouts
+    on a (2, 2) mesh split activations along their hidden size and
+    gathered them back). Variables that a local call can read are read
+    as DTensor reads them."""
+    placements = _batch_split(mode.mesh)
+    if placements is None:
+        return upstream_call(layer, *args, **kwargs)
+    with local_call_checks.UnshardedVariables(
+        layer, placements, readable=False
+    ):
+        return upstream_call(layer, *args, **kwargs)
+
+
+def _batch_split(mesh):
+    """The batch placements of the distribution's inputs on `mesh`
+    (`Shard(0)` on the batch axis), or None when the batch is not split
+    over more than one process."""
+    distribution = distribution_lib.distribution()
+    name = getattr(distribution, "batch_dim_name", None)
+    if name is None or name not in mesh.mesh_dim_names:
+        return None
+    axis = mesh.mesh_dim_names.index(name)
+    if mesh.size(axis) == 1:
+        return None
+    return tuple(
+        Shard(0) if dim == axis else Replicate() for dim in range(mesh.ndim)
+    )
 
 
 def plans_of(layer):

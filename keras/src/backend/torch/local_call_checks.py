@@ -188,44 +188,61 @@ def _holds_dtensor_attributes(owner):
 
 
 class UnshardedVariables:
-    """Reads the layer's sharded variables unsharded during a first call.
+    """Reads the layer's sharded variables unsharded during a call.
 
-    The call then runs on DTensors as a local call would run on local
-    tensors: with every variable replicated. Each sharded variable's
-    value is replaced by its unsharded value for the duration of the
-    call, so Keras reads it as usual, and restored after it. A sublayer
-    first called inside the call finds its variables unsharded already,
-    and their sharded values in the step state's `unsharded`.
+    In a first call, the call then runs on DTensors as a local call would
+    run on local tensors: with every variable a local call can read
+    replicated. Each sharded variable's value is replaced by its
+    unsharded value for the duration of the call, so Keras reads it as
+    usual, and restored after it. A sublayer called inside the call finds
+    its variables unsharded already, and their sharded values in the step
+    state's `unsharded`. A variable split over the batch axes and a model
+    axis is gathered over the batch axes only
+    (`unit_gathering.gathered_over_batch_axes`); with `readable=False`
+    (a later call on DTensors, `batch_local`) only such variables are.
 
     Attributes:
-        collectives: per mesh dimension (process group in `groups`), the
-            collectives the gathers issued.
+        collectives: per mesh dimension (process group in `groups`, if
+            given), the collectives the gathers issued.
         sharded: the layer's sharded variables and their sharded values.
     """
 
-    def __init__(self, layer, placements, groups):
+    def __init__(self, layer, placements, groups=None, readable=True):
         self.layer = layer
         self.groups = groups
-        self.collectives = [0] * len(groups)
+        self.placements = placements
+        self.collectives = [0] * len(groups or ())
         self.sharded = []
         unsharded = local_call_state.step_state().unsharded
         for variable in getattr(layer, "variables", ()):
             value = unsharded.get(id(variable), variable._value)
-            if unit_gathering.readable_locally(
-                value, placements
-            ) and unit_gathering.is_sharded(value, placements):
+            if not isinstance(value, DTensor) or not (
+                unit_gathering.is_sharded(value, placements)
+            ):
+                continue
+            if unit_gathering.readable_locally(value, placements):
+                if readable:
+                    self.sharded.append((variable, value))
+            else:
                 self.sharded.append((variable, value))
         self.swapped = []
+
+    def _unsharded(self, value):
+        """A readable value whole; any other gathered over the batch axes
+        only (`unit_gathering.gathered_over_batch_axes`)."""
+        if unit_gathering.readable_locally(value, self.placements):
+            return unit_gathering.unshard(value)
+        return unit_gathering.gathered_over_batch_axes(value, self.placements)
 
     def __enter__(self):
         unsharded = local_call_state.step_state().unsharded
         own = [pair for pair in self.sharded if id(pair[0]) not in unsharded]
         if not own:
             return self
-        before = _sequence_numbers(self.groups)
+        before = _sequence_numbers(self.groups or ())
         try:
             for variable, value in own:
-                full = unit_gathering.unshard(value)
+                full = self._unsharded(value)
                 variable._value = full
                 unsharded[id(variable)] = value
                 self.swapped.append(
@@ -241,7 +258,7 @@ class UnshardedVariables:
         except BaseException:
             self._restore()
             raise
-        after = _sequence_numbers(self.groups)
+        after = _sequence_numbers(self.groups or ())
         self.collectives = [b - a for a, b in zip(before, after)]
         return self
 

@@ -79,6 +79,24 @@ def unshard(value):
     return value.redistribute(mesh, (Replicate(),) * mesh.ndim)
 
 
+def gathered_over_batch_axes(value, placements):
+    """`value` all-gathered over the mesh axes that split the batch, its
+    placements on the other axes kept.
+
+    How a call on DTensors reads a variable split over both the batch and
+    a model axis (keras-hub's kernels on a (2, 2) mesh: hidden size over
+    "batch", heads over "model"): as FSDP's units over the batch axes,
+    tensor-parallel over the model axes. Differentiable: the gradient, a
+    partial sum over the batch axes, is reduce-scattered back in
+    backward.
+    """
+    target = tuple(
+        Replicate() if p.is_shard() and not batch.is_replicate() else p
+        for p, batch in zip(value.placements, placements)
+    )
+    return value.redistribute(value.device_mesh, target)
+
+
 class Unit:
     """Sharded variables unsharded together (`gathered_units`).
 

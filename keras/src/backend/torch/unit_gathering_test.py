@@ -13,6 +13,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from keras.src import layers
 from keras.src import models
+from keras.src import testing
 from keras.src.backend.torch import batch_local_test
 from keras.src.backend.torch import gathered_units
 from keras.src.backend.torch import unit_gathering
@@ -338,3 +339,28 @@ class UnitGatheringTest(ShardedKernelsTestCase):
         ):
             self.assertFalse(readable(sharded, (Replicate(),)))
             self.assertTrue(readable(sharded, (Shard(0),)))
+
+
+class GatheredOverBatchAxesTest(testing.TestCase):
+    """The placements a variable split over the batch axes and a model
+    axis is read with in a call on DTensors."""
+
+    def test_batch_axes_gathered_model_axes_kept(self):
+        class Value:
+            placements = (Shard(1), Shard(0))
+            device_mesh = "mesh"
+
+            def redistribute(self, mesh, placements):
+                return mesh, placements
+
+        batch = (Shard(0), Replicate())
+        self.assertEqual(
+            unit_gathering.gathered_over_batch_axes(Value(), batch),
+            ("mesh", (Replicate(), Shard(0))),
+        )
+        # Gradient placements (partial over the batch axes) read alike.
+        gradient = (Partial(), Replicate())
+        self.assertEqual(
+            unit_gathering.gathered_over_batch_axes(Value(), gradient)[1],
+            (Replicate(), Shard(0)),
+        )
