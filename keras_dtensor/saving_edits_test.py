@@ -103,6 +103,61 @@ def test_with_distribution_a_failed_save_keeps_the_previous_file(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.fixture
+def model_parallel():
+    """Kernels split on a `model` axis of this process's one device."""
+    mesh = keras.distribution.DeviceMesh((1,), ("model",), ["cpu:0"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def test_sharded_model_saves_by_chunks_and_loads_by_part(
+    tmp_path, monkeypatch, model_parallel
+):
+    from keras.src.backend.torch import shard_reads
+    from keras.src.backend.torch import shard_writes
+
+    calls = []
+    for module, name in (
+        (shard_writes, "write_by_chunks"),
+        (shard_reads, "assign_from_view"),
+    ):
+        upstream = getattr(module, name)
+
+        def spied(*args, upstream=upstream, name=name):
+            calls.append(name)
+            return upstream(*args)
+
+        monkeypatch.setattr(module, name, spied)
+    model = make_model()
+    assert model.layers[0].kernel.value.placements[0].is_shard()
+    expected = model.get_weights()
+    model.save_weights(tmp_path / "model.weights.h5")
+    model.save(tmp_path / "model.keras")
+    # The kernel and its two Adam slots, in each file.
+    assert calls.count("write_by_chunks") == 6
+    fresh = make_model()
+    fresh.set_weights([w + 1 for w in expected])
+    fresh.load_weights(tmp_path / "model.weights.h5")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    # Every variable of both models, optimizers' included, read by part.
+    assert calls.count("assign_from_view") == 2 * (
+        len(model.weights) + len(model.optimizer.variables)
+    )
+    for values in (fresh.get_weights(), loaded.get_weights()):
+        for a, b in zip(values, expected):
+            np.testing.assert_array_equal(a, b)
+    keras.distribution.set_distribution(None)
+    plain = keras.saving.load_model(tmp_path / "model.keras")
+    for a, b in zip(plain.get_weights(), expected):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_makedirs_accepts_an_existing_folder_under_distribution(
     tmp_path, distribution
 ):
@@ -125,6 +180,10 @@ def test_makedirs_is_upstream_without_distribution(tmp_path):
         _saving_edits.edit_saving_api_load,
         _saving_edits.edit_file_utils_makedirs,
         _saving_edits.edit_backup_and_restore,
+        _saving_edits.edit_weights_store_reads_by_part,
+        _saving_edits.edit_weights_store_writes_by_chunks,
+        _saving_edits.edit_keras_archive_loads_in_place,
+        _saving_edits.edit_optimizer_saves_variables,
     ],
 )
 def test_edits_leave_other_backends_alone(edit, monkeypatch):
