@@ -13,8 +13,10 @@ same workflow run without a distribution, by the same process:
 - 2 processes: Gemma on (1, 2), (2, 1) and DataParallel (the whole
   workflow), and under the guide's own layout map on (1, 2) and (2, 1);
   Llama on (1, 2) and (2, 1); Qwen, Qwen-MoE and Qwen3-MoE on (1, 2) and
-  (2, 1) (generation); Llama3, Mistral and GPT-2 under DataParallel and
-  a hand-written map on (1, 2) (generation); a Gemma with one key/value
+  (2, 1) (generation; Qwen-MoE's LoRA `fit` too on (2, 1), its router's
+  auxiliary loss a partial mean over the split batch); Llama3, Mistral
+  and GPT-2 under DataParallel and a hand-written map on (1, 2)
+  (generation); a Gemma with one key/value
   head (Gemma 2B's multi-query attention) under the guide's map with key
   and value replicated on (1, 2) and (2, 1), and under DataParallel; and
   the same Gemma under its published map on (1, 2), which splits the one
@@ -53,7 +55,7 @@ LAUNCHES = {
             "qwen:1x2:generate",
             "qwen:2x1:generate",
             "qwen_moe:1x2:generate",
-            "qwen_moe:2x1:generate",
+            "qwen_moe:2x1:tune+generate",
             "qwen3_moe:1x2:generate",
             "qwen3_moe:2x1:generate",
             "llama3:dp:generate",

@@ -11,8 +11,9 @@ over a split dimension, `amax`; Python values (`int`, `item`,
 `bool`, `tolist`) of split and partial DTensors; and the gradients of
 Gemma's rotary key path with one key/value head, whose backward views a
 `cat` that DTensor lays out locally otherwise than it records
-(`local_layouts`); and `cross_entropy` of logits split along their
-classes (`split_class_losses`). Each result must equal
+(`local_layouts`); `cross_entropy` of logits split along their
+classes (`split_class_losses`); and a partial mean taken to a partial
+sum (`unit_axis_redistribution`). Each result must equal
 the same op on the full tensors in plain torch, on every rank, and keep
 the layout the handler promises.
 """
@@ -137,3 +138,14 @@ def test_class_split_cross_entropy_equals_plain_torch(reports):
             torch.tensor(report["ce/weighted/values"]),
             torch.tensor(report["ce/plain/weighted"]),
         )
+
+
+def test_partial_mean_meets_a_partial_sum(reports):
+    """Means 2 and 4 (avg 3) plus sums 10 and 20 (30): 33, on every rank."""
+    for report in reports:
+        # If this fails, torch moves between partial types, and
+        # `unit_axis_redistribution`'s conversion can go.
+        assert "partial type" in report["partials/outside_error"]
+        # Reduced first (mean 3), then a partial sum of 3 over the ranks.
+        assert report["partials/as_sum_total"] == 3.0
+        assert report["partials/values"] == 33.0

@@ -11,6 +11,8 @@ with the same op on the full tensors in plain torch.
 import torch
 import torch.nn.functional as F
 import worker_utils
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -115,6 +117,40 @@ def class_split_losses(logits, targets, group):
     )
 
 
+def partial_values(mesh):
+    """A partial mean and a partial sum (a MoE router's auxiliary loss and
+    the training loss, which Keras sums with `ops.sum` of their stack),
+    made outside the step's mode: means 2 and 4, sums 10 and 20."""
+    rank = torch.distributed.get_rank()
+    mean = DTensor.from_local(
+        torch.tensor(2.0 + 2 * rank), mesh, [Partial("avg")]
+    )
+    total = DTensor.from_local(
+        torch.tensor(10.0 * (rank + 1)), mesh, [Partial()]
+    )
+    return mean, total
+
+
+def as_partial_sum(value):
+    """DTensor's own move of a local tensor from `value`'s placements to a
+    partial sum (what its dispatch asks; `DTensor.redistribute` keeps
+    partial targets to itself)."""
+    from torch.distributed.tensor import _redistribute
+
+    spec = value._spec
+    target = type(spec)(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
+    return _redistribute.redistribute_local_tensor(
+        value._local_tensor, spec, target
+    )
+
+
+def local_sum(local):
+    """The sum of every process's `local` value."""
+    local = local.clone()
+    torch.distributed.all_reduce(local)
+    return local
+
+
 def class_split_inputs():
     """Logits (batch 4, classes 10, positions 3) and their targets."""
     generator = torch.Generator().manual_seed(2)
@@ -170,6 +206,12 @@ def main():
     logits, targets = class_split_inputs()
     logits = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
     targets = distribute_tensor(targets, mesh, [Replicate()])
+    mean, total = partial_values(mesh)
+    # Outside a step torch refuses to take a partial mean to a partial
+    # sum, as DTensor's `stack` asked in Keras's sum of the two losses.
+    worker_utils.record_error(
+        "partials/outside_error", lambda: as_partial_sum(mean)
+    )
     # DTensor's own cross-entropy, outside a step, gathers the logits.
     before = torch_runtime.sequence_number(mesh.get_group(0))
     F.cross_entropy(logits, targets, reduction="none")
@@ -182,6 +224,10 @@ def main():
         extreme_reductions(split)
         python_values(split)
         class_split_losses(logits, targets, mesh.get_group(0))
+        local = as_partial_sum(mean)
+        record("partials/as_sum", float(local))
+        record("partials/as_sum_total", float(local_sum(local)))
+        record_whole("partials", torch.stack([mean, total]).sum())
         x_gradient, kernel_gradient = rotary_gradients(*rotary)
     record_whole("rotary/x_gradient", x_gradient)
     record_whole("rotary/kernel_gradient", kernel_gradient)

@@ -13,7 +13,17 @@ with nothing to move returns the local tensor as it is. Plain shards,
 replication and partial sums are taken over; any other placement
 (`_StridedShard`, `_MaskPartial`, whose reduction also frees its mask) is
 left to torch. Outside a step torch's function runs unchanged.
-`register()` installs it once; `torch_workarounds` lists the gap.
+
+Inside a step, too, a partial value of one reduce op asked for as a
+partial value of another (a MoE router's auxiliary loss, a mean over the
+split batch, `Partial("avg")`, added to the training loss, a
+`Partial("sum")`) is reduced on those axes first, then taken to the
+target: torch refuses to move between partial types ("Redistribution
+from one partial type (P(avg)) to another (P(sum)) is unsupported";
+keras-hub's Qwen-MoE `fit` under DataParallel). One all-reduce per such
+axis, on every process alike.
+
+`register()` installs both once; `torch_workarounds` lists the gaps.
 """
 
 import functools
@@ -48,6 +58,10 @@ def skipping_unit_axes(redistribute):
             current = _unit_axes_as_target(current, target)
             if current.placements == target.placements:
                 return local
+            reduced = _other_partials_reduced(current, target)
+            if reduced is not current:
+                local = redistribute(local, current, reduced, **kwargs)
+                current = reduced
         return redistribute(local, current, target, **kwargs)
 
     redistribute_local_tensor.keras_skips_unit_axes = True
@@ -71,3 +85,26 @@ def _unit_axes_as_target(current, target):
     if not changed:
         return current
     return DTensorSpec(mesh, tuple(placements), tensor_meta=current.tensor_meta)
+
+
+def _other_partials_reduced(current, target):
+    """`current` with `Replicate` on each mesh axis where it is partial
+    and the target is partial with another reduce op (or `current` as it
+    is: nothing to convert)."""
+    placements = list(current.placements)
+    changed = False
+    for mesh_dim, (have, want) in enumerate(
+        zip(current.placements, target.placements)
+    ):
+        if (
+            type(have) is Partial
+            and type(want) is Partial
+            and have.reduce_op != want.reduce_op
+        ):
+            placements[mesh_dim] = Replicate()
+            changed = True
+    if not changed:
+        return current
+    return DTensorSpec(
+        current.mesh, tuple(placements), tensor_meta=current.tensor_meta
+    )

@@ -84,3 +84,39 @@ class UnitAxisRedistributionTest(testing.TestCase):
         # Outside a step, torch's function decides.
         self.assertIs(wrapped(self.local, spec, target), self.local)
         self.assertEqual(calls, [((Partial(),), (Replicate(),))])
+
+
+class OtherPartialsReducedTest(testing.TestCase):
+    """Which mesh axes a partial value is reduced on before it becomes a
+    partial value of another reduce op (spec logic; the values are
+    checked on 2 processes by `integration_tests/step_handlers_test`)."""
+
+    def spec(self, placements):
+        mesh = distribution_api.DeviceMesh(
+            (1, 1), ("batch", "model"), ["cpu:0"]
+        ).backend_mesh
+        return torch_internals.DTensorSpec(mesh, tuple(placements))
+
+    def test_reduced_where_the_reduce_ops_differ(self):
+        from keras.src.backend.torch import unit_axis_redistribution as uar
+
+        avg, total = Partial("avg"), Partial()
+        cases = [
+            ((avg, avg), (total, avg), (Replicate(), avg)),
+            ((avg, Shard(0)), (total, Shard(0)), (Replicate(), Shard(0))),
+        ]
+        for current, target, expected in cases:
+            reduced = uar._other_partials_reduced(
+                self.spec(current), self.spec(target)
+            )
+            self.assertEqual(reduced.placements, expected)
+        # Nothing to convert: the same spec back.
+        for current, target in (
+            ((total, avg), (total, avg)),
+            ((avg, Replicate()), (Replicate(), Replicate())),
+            ((Shard(0), avg), (Replicate(), avg)),
+        ):
+            spec = self.spec(current)
+            self.assertIs(
+                uar._other_partials_reduced(spec, self.spec(target)), spec
+            )
