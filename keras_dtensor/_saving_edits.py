@@ -342,8 +342,9 @@ def edit_weights_store_writes_by_chunks(saving_lib):
     is set, `H5IOStore.__setitem__` of a variable (or DTensor) whose value
     is sharded, of a dtype numpy holds, creates the dataset and fills it
     with `shard_writes.write_by_chunks` (each process sends process 0 its
-    local tensor a chunk at a time; no process gathers the full value).
-    `ShardedH5IOStore.__setitem__` gathers the value first, as upstream.
+    local tensor a chunk at a time; no process gathers the full value),
+    and `ShardedH5IOStore.__setitem__` sizes such a value from its shape
+    and dtype (`_sharded_store_writes_by_chunks`).
     """
     if not support.is_torch_backend():
         return
@@ -366,6 +367,63 @@ def edit_weights_store_writes_by_chunks(saving_lib):
         shard_writes.write_by_chunks(parameter, dataset.__setitem__)
 
     store.__setitem__ = __setitem__
+    _sharded_store_writes_by_chunks(saving_lib)
+
+
+def _sharded_store_writes_by_chunks(saving_lib):
+    """`ShardedH5IOStore.__setitem__` sizes a sharded variable from its
+    shape and dtype, not from its gathered value, and writes it through
+    `H5IOStore.__setitem__` (by chunks).
+
+    Part of `edit_weights_store_writes_by_chunks`. Stands for: in
+    `ShardedH5IOStore.__setitem__`, the value's size is
+    `math.prod(value.shape)` times its dtype's size, without
+    `convert_to_numpy` (the rest as it is).
+    """
+    store = saving_lib.ShardedH5IOStore
+    upstream_setitem = store.__setitem__
+
+    def __setitem__(self, key, value):
+        parameter = _sharded_dtensor(value) if self.mode == "w" else None
+        if parameter is None or not _distribution_is_set():
+            return upstream_setitem(self, key, value)
+        self._restore_h5_file()
+        size = parameter.numel() * parameter.element_size()
+        self.total_shard_size += size
+        if size > self.max_shard_size:
+            raise ValueError(
+                f"The size of {key} is {size} bytes, which exceeds the "
+                f"maximum shard size of {self.max_shard_size:.0f} bytes. "
+                "Increase `max_shard_size`."
+            )
+        self.current_shard_size += size
+        if self.current_shard_size > self.max_shard_size:
+            # This variable opens the next file.
+            self.close()
+            self.h5_file = self._create_new_shard_file()
+            self.current_shard_size = size
+        saving_lib.H5IOStore.__setitem__(self, key, value)
+        _note_file(self, self._h5_entry_group.name)
+
+    store.__setitem__ = __setitem__
+
+
+def _note_file(store, group):
+    """Records in a sharded store's index that `group` has values in the
+    current file: a file name, or a list of them once there are several
+    (the index upstream writes)."""
+    weight_map = store.sharding_config["weight_map"]
+    name = store.current_shard_path.name
+    files = weight_map.get(group)
+    if files is None:
+        weight_map[group] = name
+    elif not isinstance(files, list):
+        if files != name:
+            weight_map[group] = [files, name]
+        else:
+            weight_map[group] = [files]
+    elif name not in files:
+        files.append(name)
 
 
 def _sharded_dtensor(value):

@@ -139,8 +139,12 @@ def test_sharded_model_saves_by_chunks_and_loads_by_part(
     expected = model.get_weights()
     model.save_weights(tmp_path / "model.weights.h5")
     model.save(tmp_path / "model.keras")
-    # The kernel and its two Adam slots, in each file.
-    assert calls.count("write_by_chunks") == 6
+    # Keras's sharded format, in files of at most 40 bytes.
+    model.save_weights(
+        tmp_path / "model.weights.json", max_shard_size=40 / 1024**3
+    )
+    # The kernel and its two Adam slots, in each format.
+    assert calls.count("write_by_chunks") == 9
     fresh = make_model()
     fresh.set_weights([w + 1 for w in expected])
     fresh.load_weights(tmp_path / "model.weights.h5")
@@ -154,8 +158,12 @@ def test_sharded_model_saves_by_chunks_and_loads_by_part(
             np.testing.assert_array_equal(a, b)
     keras.distribution.set_distribution(None)
     plain = keras.saving.load_model(tmp_path / "model.keras")
-    for a, b in zip(plain.get_weights(), expected):
-        np.testing.assert_array_equal(a, b)
+    plain_sharded = make_model()
+    plain_sharded.load_weights(tmp_path / "model.weights.json")
+    for values in (plain.get_weights(), plain_sharded.get_weights()):
+        for a, b in zip(values, expected):
+            np.testing.assert_array_equal(a, b)
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".h5")]) > 3
 
 
 def test_makedirs_accepts_an_existing_folder_under_distribution(

@@ -14,9 +14,9 @@ Usage: sliced_loading_worker.py WORK_DIR (on 4 processes)
 3. Uneven shapes (rows that DTensor splits as 2, 2, 1, 0): raw DTensor
    parameters assigned from the saved arrays, their local tensors
    against DTensor's own split of the full array.
-4. Under the (2, 2) mesh, the model saves `.keras` (its sharded
-   variables written as gathered, in chunks of a few rows) and the
-   sharded format; with the distribution unset, plain keras loads both.
+4. Under the (2, 2) mesh, the model saves `.keras` and the sharded
+   format (its sharded variables written as gathered, in chunks of a few
+   rows); with the distribution unset, plain keras loads both.
 5. keras-hub (where installed): a tiny Gemma saved with `save_to_preset`
    loads with `from_preset` under its published layout map.
 """
