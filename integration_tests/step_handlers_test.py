@@ -12,8 +12,9 @@ over a split dimension, `amax`; Python values (`int`, `item`,
 Gemma's rotary key path with one key/value head, whose backward views a
 `cat` that DTensor lays out locally otherwise than it records
 (`local_layouts`); `cross_entropy` of logits split along their
-classes (`split_class_losses`); and a partial mean taken to a partial
-sum (`unit_axis_redistribution`). Each result must equal
+classes (`split_class_losses`); a partial mean taken to a partial
+sum (`unit_axis_redistribution`); and attention scores of head-split
+queries and replicated keys (`argument_layouts`). Each result must equal
 the same op on the full tensors in plain torch, on every rank, and keep
 the layout the handler promises.
 """
@@ -149,3 +150,17 @@ def test_partial_mean_meets_a_partial_sum(reports):
         # Reduced first (mean 3), then a partial sum of 3 over the ranks.
         assert report["partials/as_sum_total"] == 3.0
         assert report["partials/values"] == 33.0
+
+
+def test_einsum_chunks_the_replicated_operand(reports):
+    for rank, report in enumerate(reports):
+        # If this fails, DTensor no longer gathers the split operand, and
+        # `argument_layouts._einsum` can go.
+        assert report["einsum/outside_collectives"] > 0
+        assert report["einsum/collectives"] == 0
+        assert report["einsum/placements"] == ["S(1)"]
+        torch.testing.assert_close(
+            torch.tensor(report["einsum/values"]),
+            torch.tensor(report["einsum/plain"]),
+            msg=f"rank {rank}",
+        )

@@ -151,6 +151,25 @@ def local_sum(local):
     return local
 
 
+def head_split_attention(queries, keys, group):
+    """Attention scores of queries split by heads and replicated keys (a
+    KV cache in `generate()`): the scores, their placements and the
+    collectives issued."""
+    before = torch_runtime.sequence_number(group)
+    scores = torch.einsum("btkgh,bskh->bkgts", queries, keys)
+    return scores, torch_runtime.sequence_number(group) - before
+
+
+def attention_inputs():
+    """Queries (batch 2, 1 position, 4 heads, group 1, 8) and keys (batch
+    2, 6 positions, 4 heads, 8)."""
+    generator = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(2, 1, 4, 1, 8, generator=generator),
+        torch.randn(2, 6, 4, 8, generator=generator),
+    )
+
+
 def class_split_inputs():
     """Logits (batch 4, classes 10, positions 3) and their targets."""
     generator = torch.Generator().manual_seed(2)
@@ -206,6 +225,14 @@ def main():
     logits, targets = class_split_inputs()
     logits = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
     targets = distribute_tensor(targets, mesh, [Replicate()])
+    queries, keys = attention_inputs()
+    queries = distribute_tensor(queries, mesh, [Shard(2)])
+    keys = distribute_tensor(keys, mesh, [Replicate()])
+    # DTensor's own rule, outside a step, gathers the queries.
+    record(
+        "einsum/outside_collectives",
+        head_split_attention(queries, keys, mesh.get_group(0))[1],
+    )
     mean, total = partial_values(mesh)
     # Outside a step torch refuses to take a partial mean to a partial
     # sum, as DTensor's `stack` asked in Keras's sum of the two losses.
@@ -224,6 +251,11 @@ def main():
         extreme_reductions(split)
         python_values(split)
         class_split_losses(logits, targets, mesh.get_group(0))
+        scores, collectives = head_split_attention(
+            queries, keys, mesh.get_group(0)
+        )
+        record_whole("einsum", scores)
+        record("einsum/collectives", collectives)
         local = as_partial_sum(mean)
         record("partials/as_sum", float(local))
         record("partials/as_sum_total", float(local_sum(local)))
@@ -234,6 +266,11 @@ def main():
     plain = rotary_gradients(*rotary_inputs())
     record("rotary/plain/x_gradient", plain[0].tolist())
     record("rotary/plain/kernel_gradient", plain[1].tolist())
+    plain_queries, plain_keys = attention_inputs()
+    record(
+        "einsum/plain",
+        torch.einsum("btkgh,bskh->bkgts", plain_queries, plain_keys).tolist(),
+    )
     logits, targets = class_split_inputs()
     logits.requires_grad_()
     for reduction in ("none", "sum", "mean"):

@@ -8,17 +8,20 @@ and which the handler lays out first:
 - `scaled_dot_product_attention`: queries, keys, values and the
   `attn_mask` keyword are brought to placements that fit each other.
 - `Tensor.contiguous` of a DTensor: in the standard memory format.
+- `einsum` of two DTensors: a replicated operand takes the other's split
+  along a letter both keep in the output (`_einsum`).
 
 Every handler is called as `handler(mode, func, args, kwargs)` and
 returns `func`'s result.
 
 Collectives: the attention inputs' redistributions, inside the step, on
-every process alike.
+every process alike; the `einsum` layout moves nothing.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import attention_rules
 
@@ -125,6 +128,74 @@ def _contiguous(mode, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _einsum(mode, func, args, kwargs):
+    """`einsum` of two DTensors, a replicated one split as the other is.
+
+    Where one operand is split along a letter that the other operand and
+    the output share (a batch letter: heads in attention), and the other
+    is replicated on that mesh axis, the replicated one is split the same
+    way first: its local chunk, nothing moved. DTensor's `einsum` views
+    its operands for a batched matmul, where a split of the heads becomes
+    a strided split, and its rule then gathers the split operand rather
+    than chunking the replicated one: keras-hub's attention during
+    `generate()` (queries split by heads, the KV cache replicated)
+    gathered the queries, computed every head on every process and
+    gathered the output projection's kernel for each token.
+    """
+    if kwargs or len(args) != 3 or not isinstance(args[0], str):
+        return func(*args, **kwargs)
+    equation, first, second = args
+    if not (isinstance(first, DTensor) and isinstance(second, DTensor)):
+        return func(*args, **kwargs)
+    letters = _einsum_letters(equation, first, second)
+    if letters is None:
+        return func(*args, **kwargs)
+    first = _split_like(first, second, *letters)
+    second = _split_like(second, first, *reversed(letters[:2]), letters[2])
+    return func(equation, first, second)
+
+
+def _einsum_letters(equation, first, second):
+    """The letters of each operand and of the output, or None where the
+    equation has an ellipsis or does not fit the operands."""
+    equation = equation.replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    operands = inputs.split(",")
+    if len(operands) != 2:
+        return None
+    if (len(operands[0]), len(operands[1])) != (first.ndim, second.ndim):
+        return None
+    return operands[0], operands[1], output
+
+
+def _split_like(value, other, letters, other_letters, output):
+    """`value`, split along a shared output letter on each mesh axis where
+    it is replicated and `other` is split along that letter (sizes
+    equal)."""
+    if other.device_mesh != value.device_mesh:
+        return value
+    placements = list(value.placements)
+    for axis, (mine, theirs) in enumerate(
+        zip(value.placements, other.placements)
+    ):
+        if not mine.is_replicate() or type(theirs) is not Shard:
+            continue
+        letter = other_letters[theirs.dim]
+        if letter not in letters or letter not in output:
+            continue
+        dim = letters.index(letter)
+        if value.shape[dim] != other.shape[theirs.dim] or dim in (
+            p.dim for p in placements if type(p) is Shard
+        ):
+            continue
+        placements[axis] = Shard(dim)
+    if placements == list(value.placements):
+        return value
+    return value.redistribute(value.device_mesh, placements)
+
+
 # Torch function -> handler(mode, func, args, kwargs), for
 # `created_tensors`'s table.
 HANDLERS = {
@@ -132,4 +203,5 @@ HANDLERS = {
     torch.Tensor.repeat_interleave: _repeat_interleave,
     torch.nn.functional.scaled_dot_product_attention: _attention,
     torch.Tensor.contiguous: _contiguous,
+    torch.einsum: _einsum,
 }
