@@ -220,10 +220,9 @@ class UnshardedVariables:
                 unit_gathering.is_sharded(value, placements)
             ):
                 continue
-            if unit_gathering.readable_locally(value, placements):
-                if readable:
-                    self.sharded.append((variable, value))
-            else:
+            if readable or not unit_gathering.readable_locally(
+                value, placements
+            ):
                 self.sharded.append((variable, value))
         self.swapped = []
 
