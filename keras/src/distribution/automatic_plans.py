@@ -475,8 +475,13 @@ def _vocabulary_parallel(axis):
 
 
 def _vocabulary_layouts(layer, batch_dim_name, axis):
-    """The vocabulary split of an embedding, and of its reversed head."""
+    """The vocabulary split of an embedding, and of its reversed head.
+
+    No output layout: a tied head's logits are this layer's output too,
+    and left split along the vocabulary they reach the cross-entropy
+    ungathered (a lookup's result is whole as it is made)."""
     entries = tensor_parallel.row_parallel_layouts(layer, batch_dim_name, axis)
+    entries.pop(f"{layer_path(layer)}/output", None)
     reverse = getattr(layer, "reverse_embeddings", None)
     if reverse is not None:
         entries[reverse.path] = (None, axis)
