@@ -88,10 +88,10 @@ cpu() {
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
         --tag n2_keras_hub_mid_lora_jit_9708d71
-    run n2_keras_hub_mid_auto_3fc7fa4 "$TORCHRUN" --nproc_per_node=2 \
+    run n2_keras_hub_mid_auto_6601bb0 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma,llama \
-        --modes mp,auto --warmup 2 --steps 5 --out "$OUT" \
-        --tag n2_keras_hub_mid_auto_3fc7fa4
+        --modes mp,auto --warmup 3 --steps 8 --out "$OUT" \
+        --tag n2_keras_hub_mid_auto_6601bb0
 }
 
 gpu() {
