@@ -17,10 +17,11 @@ the backward pass computes each process's part of the gradient locally
 those of the gathered computation up to the order of the sum over
 classes, as in a row-parallel layer.
 
-Handled: class indices as targets, no class weights, no label
-smoothing, every reduction, `ignore_index`. The logits must be split
-along dimension 1 with `Shard` (not a strided split) on some mesh axes,
-and hold no partial sum; anything else goes to torch as it is.
+Handled: class indices as targets (a DTensor on the logits' mesh, as a
+step makes them), no class weights, no label smoothing, every
+reduction, `ignore_index`. The logits must be split along dimension 1
+with `Shard` (not a strided split) on some mesh axes, and hold no
+partial sum; anything else goes to torch as it is.
 
 Collectives: the three all-reduces, inside the step, on every process
 alike; none in backward.
@@ -61,6 +62,10 @@ def _splits_classes(call):
     """Whether the handler computes this call (see the module docstring)."""
     logits, target = call["input"], call["target"]
     if not isinstance(logits, DTensor) or logits.ndim < 2:
+        return False
+    if not isinstance(target, DTensor) or target.device_mesh != (
+        logits.device_mesh
+    ):
         return False
     if call["weight"] is not None or call["label_smoothing"] != 0.0:
         return False
