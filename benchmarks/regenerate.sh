@@ -82,16 +82,12 @@ cpu() {
         --modes dp,mp --steps 8 --warmup 3 --out "$OUT")
     run n2_keras_hub_mid_lora_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --lora 4 --tag n2_keras_hub_mid_lora_9708d71
-    run n2_keras_hub_mid_full_9708d71 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --tag n2_keras_hub_mid_full_9708d71
+    run n2_keras_hub_mid_full_f23a224 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --modes dp,mp,auto --tag n2_keras_hub_mid_full_f23a224
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
         --tag n2_keras_hub_mid_lora_jit_9708d71
-    run n2_keras_hub_mid_auto_6601bb0 "$TORCHRUN" --nproc_per_node=2 \
-        benchmarks/keras_hub_step.py --preset mid --models gemma,llama \
-        --modes mp,auto --warmup 3 --steps 8 --out "$OUT" \
-        --tag n2_keras_hub_mid_auto_6601bb0
 }
 
 gpu() {
