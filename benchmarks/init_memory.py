@@ -27,11 +27,10 @@ import argparse
 import json
 import os
 import resource
-import socket
-import subprocess
-import sys
 import tempfile
 import time
+
+import rank_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,12 +88,6 @@ def create(args):
         json.dump({"rise_bytes": rise, "seconds": seconds}, f)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, processes, path):
     """Runs `create` in `processes` processes; returns their results."""
     import numpy as np
@@ -108,23 +101,11 @@ def launch(args, processes, path):
         f"--path={path}",
         f"--work={work}",
     ]
-    if processes == 1 and path == "single":
-        command = [sys.executable] + script
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={processes}",
-            f"--master_port={free_port()}",
-        ] + script
-    subprocess.run(command, check=True, timeout=args.timeout)
-    results = []
-    for rank in range(processes):
-        with open(os.path.join(work, f"result{rank}.json")) as f:
-            result = json.load(f)
+    single = processes == 1 and path == "single"
+    rank_processes.run_ranks(script, processes, single, args.timeout)
+    results = rank_processes.read_results(work, processes)
+    for rank, result in enumerate(results):
         result["local"] = np.load(os.path.join(work, f"local{rank}.npy"))
-        results.append(result)
     return results
 
 

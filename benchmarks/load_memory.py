@@ -40,11 +40,10 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
+
+import rank_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = {"weights": "model.weights.h5", "keras": "model.keras"}
@@ -190,12 +189,6 @@ def _full_bytes(variable):
     return math.prod(variable.shape) * variable.value.element_size()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, processes, path, files):
     """Runs `run` in `processes` processes; returns their results."""
     work = tempfile.mkdtemp(prefix="load_memory_")
@@ -209,22 +202,11 @@ def launch(args, processes, path, files):
         f"--files={files}",
         f"--work={work}",
     ] + (["--save"] if args.save else [])
-    if path == "single":
-        command = [sys.executable] + script
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={processes}",
-            f"--master_port={free_port()}",
-        ] + script
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    subprocess.run(command, check=True, timeout=args.timeout, env=env)
-    results = []
-    for rank in range(processes):
-        with open(os.path.join(work, f"result{rank}.json")) as f:
-            results.append(json.load(f))
+    rank_processes.run_ranks(
+        script, processes, path == "single", args.timeout, env
+    )
+    results = rank_processes.read_results(work, processes)
     shutil.rmtree(work, ignore_errors=True)
     return results
 

@@ -156,7 +156,10 @@ def _call_on_dtensors(layer, upstream_call, args, kwargs, mode):
 def _batch_split(mesh):
     """The batch placements of the distribution's inputs on `mesh`
     (`Shard(0)` on the batch axis), or None when the batch is not split
-    over more than one process."""
+    over more than one process, or no model axis can split a variable
+    too (a one-axis mesh: nothing for `_call_on_dtensors` to gather)."""
+    if mesh.ndim < 2:
+        return None
     distribution = distribution_lib.distribution()
     name = getattr(distribution, "batch_dim_name", None)
     if name is None or name not in mesh.mesh_dim_names:
