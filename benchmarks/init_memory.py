@@ -12,7 +12,9 @@ reports per process:
 - the rise of peak resident memory (`ru_maxrss`) during creation, on CPU,
   or of `torch.cuda.max_memory_allocated` on a GPU;
 - the creation time;
-- whether the local shard equals the single-process value's slice.
+- whether the local shard equals the single-process value's slice;
+- the log line of a variable that took the full path (on CUDA, the
+  shard-by-shard creation declines: see `sharded_initialization`).
 
 Paths: `shard` (this project's default: the variable created shard by
 shard, `keras/src/backend/torch/sharded_initialization.py`) and `full`
@@ -25,6 +27,7 @@ the baseline memory. Results: a markdown table on stdout and
 
 import argparse
 import json
+import logging
 import os
 import resource
 import tempfile
@@ -61,6 +64,12 @@ def create(args):
             sharded_initialization.initialize_variable_shard = lambda *args: (
                 None
             )
+    logged = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("keras.src.backend.torch.sharded_initialization")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
     keras.utils.set_random_seed(7)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -85,7 +94,7 @@ def create(args):
         local.detach().cpu().numpy(),
     )
     with open(os.path.join(args.work, f"result{rank}.json"), "w") as f:
-        json.dump({"rise_bytes": rise, "seconds": seconds}, f)
+        json.dump({"rise_bytes": rise, "seconds": seconds, "logged": logged}, f)
 
 
 def launch(args, processes, path):
@@ -137,6 +146,7 @@ def measure_all(args):
                     "rise_mib": max(r["rise_bytes"] for r in results) / 2**20,
                     "seconds": max(r["seconds"] for r in results),
                     "exact": bool(exact),
+                    "logged": results[0]["logged"],
                 }
             )
     return rows
@@ -159,6 +169,8 @@ def table(args, rows):
             f"| {shard:.0f} | {row['seconds']:.2f} | "
             f"{'yes' if row['exact'] else 'NO'} |"
         )
+    logged = {line for row in rows for line in row.get("logged", [])}
+    lines.extend(["", *(f"Logged: {line}" for line in sorted(logged))])
     return "\n".join(lines)
 
 

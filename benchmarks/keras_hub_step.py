@@ -10,7 +10,8 @@ seed on the same batches. For each run it reports:
   without a distribution, and the largest absolute difference of the
   final weights;
 - the median step time (after `--warmup` steps; the device is
-  synchronized after each step) and, on CUDA, the peak memory allocated
+  synchronized after each step), the first step's time (with
+  `--jit-compile`, it compiles) and, on CUDA, the peak memory allocated
   during the timed steps;
 - the attention kernels the step ran (the `aten` ops whose name holds
   `scaled_dot_product`, read by `torch.profiler` from the last step,
@@ -297,7 +298,7 @@ def dtensor_layers(model):
 def run_steps(model, label, args, batches):
     """Trains `model` on `batches`; returns its measurements."""
     losses, times = [], []
-    kernels = syncs = peak = collectives = None
+    kernels = syncs = peak = collectives = first = None
     for index, (x, y, sample_weight) in enumerate(batches):
         step = functools.partial(
             model.train_on_batch, x, y, sample_weight=sample_weight
@@ -315,6 +316,9 @@ def run_steps(model, label, args, batches):
         start = time.perf_counter()
         losses.append(step())
         synchronize()
+        if index == 0:
+            # With `jit_compile`, the first step compiles.
+            first = time.perf_counter() - start
         if index >= args.warmup:
             times.append(time.perf_counter() - start)
     if torch.cuda.is_available():
@@ -324,6 +328,7 @@ def run_steps(model, label, args, batches):
         "losses": [float(loss) for loss in losses],
         "weights": model.get_weights(),
         "step_ms": 1000.0 * statistics.median(times) if times else None,
+        "first_step_s": first,
         "peak_bytes": peak,
         "kernels": kernels,
         "device_waits": syncs,
@@ -425,15 +430,15 @@ def table(rows):
     """The report's Markdown table."""
     lines = [
         "| model | mode | loss rel. diff | weight abs. diff | step ms "
-        "| × none | peak GiB | × none | device waits | collectives "
-        "| attention kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × none | first step s | peak GiB | × none | device waits "
+        "| collectives | attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(
                 f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
-                "| | | | | | | | |"
+                "| | | | | | | | | |"
             )
             continue
         peak = row.get("peak_bytes")
@@ -446,6 +451,7 @@ def table(rows):
             f"| {_cell(row.get('weight_abs_diff'), '.1e')} "
             f"| {_cell(row.get('step_ms'), '.1f')} "
             f"| {_cell(row.get('time_ratio'), '.2f')} "
+            f"| {_cell(row.get('first_step_s'), '.1f')} "
             f"| {_cell(peak / 2**30 if peak else None, '.2f')} "
             f"| {_cell(row.get('memory_ratio'), '.2f')} "
             f"| {_cell(row.get('device_waits'), 'd')} "

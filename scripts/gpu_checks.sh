@@ -7,29 +7,46 @@
 # (`python3 -m pip wheel -q --no-deps . -w .whl`). They are installed over
 # the machine's Python without dependencies; torch stays the machine's.
 #
-# In order of priority, each under its own time limit:
-#   1. keras-hub Gemma and Llama, tiny, float32, with the default attention
-#      kernels: no distribution, DataParallel and ModelParallel (1, 1) with
-#      their own layout maps (benchmarks/keras_hub_step.py);
-#   2. the same models at hidden 1024 (the keras-hub issue's size),
-#      mixed_bfloat16: step time and peak memory against no distribution,
-#      and a second run without one (how far bf16 runs move by themselves);
-#   3. benchmarks/run.py on one process at hidden 1024 (single, dp, tp;
-#      SGD with momentum);
-#   4. the same with AdamW (bench_adamw; not run by default);
-#   5. the GPU probe of ../shared/gpu, when .gpu/gpu_probe.py is there.
+# The checks, in order; each runs under its own time limit, cut to what is
+# left of GPU_CHECKS_SECONDS (default 420) so that the logs always come
+# back:
+#   two_ranks   two processes on the one GPU, their CUDA tensors' collectives
+#               on gloo (KERAS_DTENSOR_CUDA_BACKEND=gloo; NCCL refuses two
+#               ranks on one device), run side by side: keras-hub Gemma and
+#               Llama (tiny, float32) trained under DataParallel and
+#               ModelParallel (1, 2), full and LoRA, against no
+#               distribution; greedy generate() under both; and creating a
+#               512 MiB sharded embedding (benchmarks/init_memory.py: the
+#               peak per process, the values against one process, the log
+#               of the full path that CUDA takes);
+#   hub_size    one process, Gemma and Llama at hidden 1024,
+#               mixed_bfloat16, full fine-tune: step time and peak memory
+#               under DataParallel and ModelParallel against no
+#               distribution, and a second run without one (how far bf16
+#               runs move by themselves);
+#   hub_lora    the same with LoRA rank 4;
+#   generate    one process, greedy generate() at hidden 1024 under both;
+#   hub_jit     the hidden-1024 step with jit_compile=True (first step: the
+#               compile time);
+#   bench       benchmarks/run.py on one process at hidden 1024 (not run by
+#               default);
+#   probe       the GPU probe of ../shared/gpu, when .gpu/gpu_probe.py is
+#               there (not run by default).
 # Logs and reports go to a tarball in $OUT (or /tmp/out); the tables are
 # printed.
 #
-# Environment: GPU_CHECKS (default "hub_tiny hub_size bench probe") picks
-# the steps; GPU_CHECKS_INSTALL=0 skips the install.
+# Environment: GPU_CHECKS picks the checks; GPU_CHECKS_INSTALL=0 skips the
+# install.
 set -u
 export PYTHONUNBUFFERED=1 KERAS_BACKEND=torch
 OUT_DIR=${OUT:-/tmp/out}
 LOGS=/tmp/gpu_checks
 mkdir -p "$OUT_DIR" "$LOGS"
-CHECKS=${GPU_CHECKS:-hub_tiny hub_size bench probe}
-RUN=(python3 -m torch.distributed.run --nproc_per_node=1)
+CHECKS=${GPU_CHECKS:-two_ranks hub_size hub_lora generate hub_jit}
+DEADLINE=$((SECONDS + ${GPU_CHECKS_SECONDS:-420} - 20))
+RUN=(python3 -m torch.distributed.run --standalone --nproc_per_node=1)
+RUN2=(python3 -m torch.distributed.run --standalone --nproc_per_node=2)
+H1024=(--preset gemma-h1024 --precision mixed_bfloat16)
 
 if [ "${GPU_CHECKS_INSTALL:-1}" != 0 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl ||
@@ -40,27 +57,67 @@ python3 -c "import torch, keras, keras_hub, keras_dtensor
 print('torch', torch.__version__, 'keras', keras.__version__,
       'keras-hub', keras_hub.__version__, 'cuda', torch.cuda.is_available())"
 
-# Runs step $1 with time limit $2 (seconds): the rest is the command.
+# Runs step $1 with time limit $2 (seconds), cut to what is left before
+# the deadline: the rest is the command.
 step() {
-    local name=$1 limit=$2
+    local name=$1 limit=$2 start=$SECONDS
     shift 2
-    local start=$SECONDS
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "=== $name: skipped (no time left)"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    echo "=== $name: rc=$? in $((SECONDS - start)) s"
+    echo "=== $name: rc=$? in $((SECONDS - start)) s (limit $limit)"
+}
+
+show() {
+    cat "$LOGS/$1.md" 2>/dev/null
 }
 
 for check in $CHECKS; do
     case $check in
-    hub_tiny)
-        step hub_tiny 100 "${RUN[@]}" benchmarks/keras_hub_step.py \
-            --preset tiny --out "$LOGS" --tag hub_tiny
-        cat "$LOGS/hub_tiny.md" 2>/dev/null
+    two_ranks)
+        export KERAS_DTENSOR_CUDA_BACKEND=gloo
+        step gpu2_hub 150 "${RUN2[@]}" benchmarks/keras_hub_step.py \
+            --preset tiny --modes dp,mp --out "$LOGS" --tag gpu2_hub &
+        step gpu2_hub_lora 150 "${RUN2[@]}" benchmarks/keras_hub_step.py \
+            --preset tiny --modes dp,mp --lora 4 --out "$LOGS" \
+            --tag gpu2_hub_lora &
+        step gpu2_generate 150 "${RUN2[@]}" benchmarks/keras_hub_generate.py \
+            --preset tiny --models gemma,llama --modes dp,mp \
+            --new-tokens 8 --rounds 1 --out "$LOGS" --tag gpu2_generate &
+        step gpu2_init 150 python3 benchmarks/init_memory.py \
+            --processes 2 --timeout 140 --out "$LOGS" &
+        wait
+        unset KERAS_DTENSOR_CUDA_BACKEND
+        for name in gpu2_hub gpu2_hub_lora gpu2_generate; do show $name; done
+        grep -A12 "^.Embedding" "$LOGS/gpu2_init.log" 2>/dev/null
         ;;
     hub_size)
         step hub_size 130 "${RUN[@]}" benchmarks/keras_hub_step.py \
-            --preset gemma-h1024 --precision mixed_bfloat16 --modes none,dp,mp \
-            --warmup 3 --steps 10 --out "$LOGS" --tag hub_size
-        cat "$LOGS/hub_size.md" 2>/dev/null
+            "${H1024[@]}" --modes none,dp,mp --warmup 3 --steps 8 \
+            --out "$LOGS" --tag hub_size
+        show hub_size
+        ;;
+    hub_lora)
+        step hub_lora 110 "${RUN[@]}" benchmarks/keras_hub_step.py \
+            "${H1024[@]}" --modes dp,mp --lora 4 --warmup 3 --steps 8 \
+            --out "$LOGS" --tag hub_lora
+        show hub_lora
+        ;;
+    generate)
+        step generate 100 "${RUN[@]}" benchmarks/keras_hub_generate.py \
+            "${H1024[@]}" --models gemma,llama --modes dp,mp \
+            --new-tokens 16 --rounds 1 --out "$LOGS" --tag generate
+        show generate
+        ;;
+    hub_jit)
+        step hub_jit 200 "${RUN[@]}" benchmarks/keras_hub_step.py \
+            "${H1024[@]}" --models gemma,llama --modes mp --jit-compile \
+            --warmup 3 --steps 8 --out "$LOGS" --tag hub_jit
+        show hub_jit
         ;;
     bench)
         step bench 150 "${RUN[@]}" benchmarks/run.py --modes single,dp,tp \
@@ -69,14 +126,6 @@ for check in $CHECKS; do
             --no-overhead --out "$LOGS" --tag gpu1
         grep -E "^\| (workload|mlp|transformer|llama)[ (]" "$LOGS/gpu1.md" \
             2>/dev/null | cut -c1-240
-        ;;
-    bench_adamw)
-        step bench_adamw 120 "${RUN[@]}" benchmarks/run.py \
-            --modes single,dp,tp --hidden 1024 --layers 4 --batch 32 \
-            --seq 256 --heads 16 --vocab 8192 --optimizer adamw --steps 10 \
-            --warmup 3 --no-overhead --out "$LOGS" --tag gpu1_adamw
-        grep -E "^\| (workload|mlp|transformer|llama)[ (]" \
-            "$LOGS/gpu1_adamw.md" 2>/dev/null | head -10 | cut -c1-240
         ;;
     probe)
         if [ -f .gpu/gpu_probe.py ]; then

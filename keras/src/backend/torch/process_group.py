@@ -3,6 +3,10 @@
 One process drives one device. `initialize` joins the job's process group
 (torchrun's environment, or keras's `initialize` arguments) with gloo on
 CPU and NCCL on CUDA, and makes every process use the same random seed.
+`KERAS_DTENSOR_CUDA_BACKEND=gloo` runs CUDA tensors' collectives on gloo
+instead (gloo copies them through host memory): then several processes
+may share one GPU, which NCCL refuses, so that a machine with one GPU can
+run a job's multi-process CUDA paths.
 DTensor needs a process group even for one process, so the first mesh
 creates a single-process one when nothing else did
 (`ensure_process_group`).
@@ -28,6 +32,9 @@ import torch.distributed as dist
 from keras.src.backend.torch import gloo_groups
 
 TIMEOUT_ENV_VAR = "KERAS_DTENSOR_TIMEOUT_SECONDS"
+# The backend of CUDA tensors' collectives: "nccl" (default) or "gloo".
+CUDA_BACKEND_ENV_VAR = "KERAS_DTENSOR_CUDA_BACKEND"
+CUDA_BACKENDS = ("nccl", "gloo")
 # How long `destroy_process_group` lets gloo's threads drop their works.
 WORKER_DRAIN_SECONDS = 0.2
 DEFAULT_TIMEOUT_SECONDS = 600
@@ -198,11 +205,14 @@ def init_process_group(job_addresses, num_processes, process_id):
     kwargs = {"timeout": timeout(), "rank": rank, "world_size": world_size}
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs["store"] = dist.HashStore()
+    backend = "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_cuda_device(rank))
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
+        cuda_backend = cuda_collectives_backend()
+        torch.cuda.set_device(
+            local_cuda_device(rank, shared=cuda_backend == "gloo")
+        )
+        if cuda_backend == "nccl":
+            backend = "cpu:gloo,cuda:nccl"
     # Gloo's worker threads race on the group's status (`gloo_groups`).
     with gloo_groups.one_worker_thread():
         dist.init_process_group(backend=backend, **kwargs)
@@ -247,14 +257,37 @@ def destroy_process_group():
     time.sleep(WORKER_DRAIN_SECONDS)
 
 
-def local_cuda_device(rank):
-    """The CUDA device of this process: its `LOCAL_RANK`.
+def cuda_collectives_backend():
+    """The backend of CUDA tensors' collectives (`CUDA_BACKEND_ENV_VAR`).
 
     Raises:
-        ValueError: when this machine has no device for that local rank.
+        ValueError: for a name other than "nccl" or "gloo".
+    """
+    name = os.environ.get(CUDA_BACKEND_ENV_VAR, "nccl").strip().lower()
+    if name not in CUDA_BACKENDS:
+        raise ValueError(
+            f"{CUDA_BACKEND_ENV_VAR} must be one of {CUDA_BACKENDS}. "
+            f"Received: {name!r}"
+        )
+    return name
+
+
+def local_cuda_device(rank, shared=False):
+    """The CUDA device of this process: its `LOCAL_RANK`.
+
+    Args:
+        rank: the process's global rank.
+        shared: whether processes may share a device (gloo collectives):
+            local ranks beyond the device count wrap around.
+
+    Raises:
+        ValueError: when this machine has no device for that local rank
+            and devices are not shared.
     """
     count = torch.cuda.device_count()
     local_rank = int(os.environ.get("LOCAL_RANK", rank % count))
+    if shared:
+        return local_rank % count
     if local_rank >= count:
         raise ValueError(
             f"Process with LOCAL_RANK={local_rank} (rank {rank}) has no CUDA "
@@ -262,7 +295,9 @@ def local_cuda_device(rank):
             f"(CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Start at most "
             f"{count} process(es) per machine (`torchrun "
-            f"--nproc_per_node={count}`), make more GPUs visible, or run on "
-            'CPU with gloo (CUDA_VISIBLE_DEVICES="").'
+            f"--nproc_per_node={count}`), make more GPUs visible, run on "
+            'CPU with gloo (CUDA_VISIBLE_DEVICES=""), or share the GPUs '
+            f"with gloo's CUDA collectives ({CUDA_BACKEND_ENV_VAR}=gloo; "
+            "for tests: gloo copies through host memory)."
         )
     return local_rank

@@ -25,6 +25,26 @@ class LocalDeviceTest(testing.TestCase):
             with mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}):
                 self.assertEqual(process_group.local_cuda_device(1), 0)
 
+    def test_shared_devices_wrap_around(self):
+        """Under gloo's CUDA collectives, ranks share the devices."""
+        with mock.patch.object(torch.cuda, "device_count", return_value=2):
+            with mock.patch.dict("os.environ", {"LOCAL_RANK": "3"}):
+                self.assertEqual(
+                    process_group.local_cuda_device(3, shared=True), 1
+                )
+
+    def test_cuda_backend_is_read_and_checked(self):
+        variable = process_group.CUDA_BACKEND_ENV_VAR
+        with mock.patch.dict("os.environ", clear=True):
+            self.assertEqual(process_group.cuda_collectives_backend(), "nccl")
+        with mock.patch.dict("os.environ", {variable: " Gloo"}):
+            self.assertEqual(process_group.cuda_collectives_backend(), "gloo")
+        with mock.patch.dict("os.environ", {variable: "mpi"}):
+            with self.assertRaisesRegex(
+                ValueError, r"KERAS_DTENSOR_CUDA_BACKEND must be one of.*'mpi'"
+            ):
+                process_group.cuda_collectives_backend()
+
 
 @pytest.mark.parametrize(
     "addresses,num_processes",

@@ -166,11 +166,13 @@ def _log_fallback(initializer, shape, reason):
         return
     _logged_fallbacks.add(key)
     logger.info(
-        "A variable of shape %s initialized by %s is computed in full on "
-        "every process, then sliced (%s). Only Keras's random, zeros, ones "
-        "and constant initializers of float32 variables on CPU are created "
-        "shard by shard.",
+        "A variable of shape %s (%.1f MiB in float32) initialized by %s is "
+        "computed in full on every process, then sliced (%s): creation "
+        "holds one such full value at a time beside the shards. Only "
+        "Keras's random, zeros, ones and constant initializers of float32 "
+        "variables on CPU are created shard by shard.",
         tuple(shape),
+        math.prod(shape) * 4 / 2**20,
         type(initializer).__name__,
         reason,
     )
