@@ -6,7 +6,8 @@ or `MODE:MODEL:OPTIMIZER:EXTRA`, and its values are reported under
 given as `MODE MODEL OPTIMIZER [EXTRA]`; its values are then unprefixed.
   MODE: `single` (no distribution), `dp` (DataParallel), `mp` (ModelParallel
     on a (1, N) mesh), `2d` (ModelParallel on a (2, N/2) mesh).
-  MODEL: `mlp`, `transformer`, `recurrent` (masked tokens through
+  MODEL: `mlp`, `lookup` (token ids through an embedding, averaged, then
+    the MLP's layers), `transformer`, `recurrent` (masked tokens through
     `LSTM`, `SimpleRNN` and `GRU`, which run Keras's generic RNN loop),
     `cnn` (images through an adapted `Normalization`, `RandomRotation`,
     `Conv2D`, `AveragePooling2D` with uneven "same" padding,
@@ -94,12 +95,12 @@ def build_model(run):
     model_class = OwnTrainStepModel if "custom" in run.extra else keras.Model
     if run.model == "mlp":
         inputs = keras.Input((12,), name="features")
-        x = keras.layers.Dense(16, activation="relu", name="up")(inputs)
-        if "dropout" in run.extra:
-            x = keras.layers.Dropout(0.5, name="dropout")(x)
-        x = keras.layers.Dense(16, activation="relu", name="down")(x)
-        outputs = keras.layers.Dense(4, name="head")(x)
-        return model_class(inputs, outputs)
+        return model_class(inputs, mlp_head(inputs, run))
+    if run.model == "lookup":
+        inputs = keras.Input((SEQ,), dtype="int32", name="tokens")
+        x = keras.layers.Embedding(VOCAB, 12, name="embed")(inputs)
+        x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+        return model_class(inputs, mlp_head(x, run))
     if run.model == "cnn":
         inputs = keras.Input(IMAGE_SHAPE, name="images")
         normalization = keras.layers.Normalization(name="normalize")
@@ -118,6 +119,16 @@ def build_model(run):
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     outputs = keras.layers.Dense(4, name="head")(x)
     return model_class(inputs, outputs)
+
+
+def mlp_head(x, run):
+    """The MLP's layers: up, down (with dropout before it under
+    `dropout`) and a 4-class head."""
+    x = keras.layers.Dense(16, activation="relu", name="up")(x)
+    if "dropout" in run.extra:
+        x = keras.layers.Dropout(0.5, name="dropout")(x)
+    x = keras.layers.Dense(16, activation="relu", name="down")(x)
+    return keras.layers.Dense(4, name="head")(x)
 
 
 def recurrent_head(tokens):
@@ -215,6 +226,13 @@ def audio_head(signals):
 # row-parallel kernels.
 MODEL_LAYOUTS = {
     "mlp": {
+        "up/kernel": (None, "model"),
+        "up/bias": ("model",),
+        "down/kernel": ("model", None),
+    },
+    # The MLP's layouts, after an embedding split along the vocabulary.
+    "lookup": {
+        "embed/embeddings": ("model", None),
         "up/kernel": (None, "model"),
         "up/bias": ("model",),
         "down/kernel": ("model", None),

@@ -1,14 +1,23 @@
 """Embedding lookups into tables sharded along the looked-up dimension.
 
 A lookup into a table whose rows are split (an embedding with a
-vocabulary-sharded table) gives a `_MaskPartial` DTensor: each process
-holds the rows it owns. Two parts, both used by `created_tensors`'s mode:
+vocabulary-sharded table) is computed here on each process's rows: the
+indices outside them are masked, the local table looked up, the masked
+rows zeroed, and the partial sums all-reduced once, as the result is made.
+DTensor's own lookup (its `_MaskPartial` placement) does the same, but
+keeps the mask in the placement until the first reduction: a second
+consumer of the value fails, and under `torch.compile` the mask is lost
+between the traced lookup and its reduction (an `AssertionError` in
+`_MaskPartial._reduce_value`, torch 2.13). Two parts, both used by
+`created_tensors`'s mode:
 
-- `HANDLERS`: the embedding handler of its table, which replicates the
-  indices where the table is split before DTensor looks them up.
-- `reduce_lookup_result`: the mode reduces every lookup result once, as
-  it is made, and the lookup's gradient goes back through
-  `_ReducedLookup`.
+- `HANDLERS`: the embedding handler, which replicates the indices where
+  the table is split, then looks them up as above (tables split along
+  their rows by one mesh axis, and not along their columns); other
+  lookups go to DTensor.
+- `reduce_lookup_result`: reduces a lookup result once, as it is made
+  (this module's, and a `_MaskPartial` one DTensor made elsewhere); the
+  gradient goes back through `_ReducedLookup`.
 
 Collectives: the indices' redistribution and the result's all-reduce
 (and their gradients'), inside the step, on every process alike.
@@ -16,34 +25,40 @@ Collectives: the indices' redistribution and the result's all-reduce
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
-from keras.src.backend.torch.torch_internals import MaskPartial
+from keras.src.backend.torch import dtensor_layouts
 
 
 def reduce_lookup_result(value):
     """Reduces a lookup result once, as it is made.
 
-    DTensor frees a `_MaskPartial` value's mask at the first reduction,
-    so a second consumer of the same value fails. The value is reduced
-    (all-reduced) once, as it is made, instead. Nothing plain is
-    involved, so `implicit_replication` does not apply.
+    Every partial placement of a lookup result is a masked lookup's (a
+    `_MaskPartial`, or `Partial` from `_local_lookup`); it is all-reduced
+    once, as the value is made, rather than by each consumer (DTensor frees
+    a `_MaskPartial` value's mask at the first reduction, so a second
+    consumer would fail). Nothing plain is involved, so
+    `implicit_replication` does not apply.
     """
     placements = tuple(
-        Replicate() if type(p) is MaskPartial else p for p in value.placements
+        Replicate() if p.is_partial() else p for p in value.placements
     )
     return _ReducedLookup.apply(value, placements)
 
 
 class _ReducedLookup(torch.autograd.Function):
     """`value.redistribute(mesh, placements)` of a lookup result, with the
-    gradient DTensor's own redistribution gives, except for a gradient
-    that is a partial sum where the lookup was masked: it is all-reduced
-    (the lookup's part of a sum is the whole gradient, as for a replicated
-    one). DTensor would ask for a partial-to-masked-partial redistribution
-    there, which torch 2.11 refuses ("Redistribution from one partial
-    type (P(sum)) to another (MaskP(...)) is unsupported"; keras-hub's
-    Gemma on a (2, 2) mesh).
+    gradient DTensor's own redistribution gives, except where the lookup
+    was masked (a partial placement): there the gradient is replicated,
+    all-reduced if it is a partial sum (each process's masked part of the
+    sum takes the whole gradient). DTensor would ask for a
+    partial-to-masked-partial redistribution there, which torch 2.11
+    refuses ("Redistribution from one partial type (P(sum)) to another
+    (MaskP(...)) is unsupported"; keras-hub's Gemma on a (2, 2) mesh), or
+    keep a partial gradient partial, which `from_local` in torch 2.11
+    passes on as the local gradient of each part.
     """
 
     @staticmethod
@@ -63,27 +78,72 @@ class _ReducedLookup(torch.autograd.Function):
 def _lookup_gradient_placement(current, target):
     """Where a lookup's gradient, laid out as `current`, goes back to a
     lookup result laid out as `target`: `target`, except that a partial
-    target takes `Replicate` (as DTensor's backward redistribution does
-    for a gradient that is not a partial sum, and for any gradient where
-    the target is a masked lookup)."""
-    if target.is_partial() and (
-        type(target) is MaskPartial or not current.is_partial()
-    ):
-        return Replicate()
-    return target
+    target (a masked lookup) takes `Replicate`."""
+    return Replicate() if target.is_partial() else target
 
 
 def _embedding(mode, func, args, kwargs):
-    """Embedding lookups with indices replicated where the table is split.
+    """Embedding lookups with indices replicated where the table is split,
+    looked up on each process's rows (`_local_lookup`) where it can be.
 
-    DTensor needs the indices replicated on the mesh axes that shard the
-    table's rows. Redistributing them first avoids a DTensor ordering
-    problem: with indices split on an axis that splits the rows on another
-    axis, the lookup's mask was taken from the unreduced indices and did
-    not fit the result. The indices are DTensors already, so
-    `implicit_replication` does not apply.
+    The indices are DTensors already, so `implicit_replication` does not
+    apply.
     """
-    return func(*_replicate_lookup_indices(*args), **kwargs)
+    args = _replicate_lookup_indices(*args)
+    axis = _row_axis(*args, **kwargs)
+    if axis is None:
+        return func(*args, **kwargs)
+    return reduce_lookup_result(_local_lookup(*args, axis))
+
+
+def _row_axis(indices, table, *args, **kwargs):
+    """The mesh axis that alone splits `table`'s rows, or `None` where
+    the lookup goes to DTensor: a table not split along its rows, or split
+    along its columns or on several axes, plain indices, or options of
+    `embedding` (`padding_idx`, `max_norm`...)."""
+    if args or kwargs or not isinstance(indices, DTensor):
+        return None
+    if not isinstance(table, DTensor):
+        return None
+    axes = [i for i, p in enumerate(table.placements) if not p.is_replicate()]
+    if len(axes) != 1:
+        return None
+    placement = table.placements[axes[0]]
+    # Not a `_StridedShard`, whose rows are not torch's plain chunks.
+    if type(placement) is not Shard or placement.dim != 0:
+        return None
+    return axes[0]
+
+
+def _local_lookup(indices, table, axis):
+    """The lookup of `indices` in the rows of `table` this process holds
+    (split on mesh axis `axis`): zeros for the others, a partial sum on
+    that axis, laid out as the indices on the other axes.
+
+    The rows are torch's chunks of the table (`Shard(0)`): this process's
+    first row is its coordinate on `axis` times the rounded-up chunk size.
+    """
+    mesh = table.device_mesh
+    local_table = table.to_local()
+    chunk = -(-table.shape[0] // mesh.size(axis))
+    first = min(mesh.get_local_rank(axis) * chunk, table.shape[0])
+    local_indices = indices.to_local() - first
+    outside = (local_indices < 0) | (local_indices >= local_table.shape[0])
+    local_indices = torch.where(outside, 0, local_indices)
+    rows = torch.nn.functional.embedding(local_indices, local_table)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+    placements = list(indices.placements)
+    placements[axis] = Partial()
+    return DTensor.from_local(
+        rows,
+        mesh,
+        placements,
+        run_check=False,
+        shape=(*indices.shape, table.shape[1]),
+        stride=dtensor_layouts.contiguous_strides(
+            (*indices.shape, table.shape[1])
+        ),
+    )
 
 
 def _replicate_lookup_indices(indices, table, *args):

@@ -23,9 +23,10 @@ class LookupGradientTest(testing.TestCase):
             (Partial(), masked, Replicate()),
             (Replicate(), masked, Replicate()),
             (Shard(0), masked, Replicate()),
-            # Elsewhere, as DTensor's backward redistribution.
-            (Partial(), Partial(), Partial()),
+            # So does a partial lookup (this module's masked lookup).
+            (Partial(), Partial(), Replicate()),
             (Replicate(), Partial(), Replicate()),
+            # Elsewhere, as DTensor's backward redistribution.
             (Shard(1), Shard(0), Shard(0)),
             (Partial(), Replicate(), Replicate()),
         ]

@@ -324,6 +324,20 @@ WORKAROUNDS = (
         probed_by="integration_tests/clean_exit_test.py",
     ),
     Workaround(
+        "masked lookups: the mask in the placement",
+        "sharded_lookups",
+        "A lookup into a row-split embedding keeps its mask in a "
+        "_MaskPartial placement until the first reduction: a second "
+        "reduction fails, and under torch.compile the traced reduction "
+        "finds no mask (AssertionError in _MaskPartial._reduce_value).",
+        ("2.11", NEWEST),
+        ISSUE + "160697 (open); " + PR + "185356",
+        "once the torch range starts at a release whose compiled lookups "
+        "keep their mask and whose masked values reduce more than once",
+        probed_by="integration_tests/jit_compile_test.py (the transformer "
+        "with a vocabulary-split embedding)",
+    ),
+    Workaround(
         "compiled steps: missing tangents and aliased outputs",
         "compiled_graph_outputs",
         "AOT autograd drops tangents of DTensor outputs and refuses "
