@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+from keras.src.backend.torch import deferred_initialization
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.core import convert_to_tensor
@@ -58,10 +59,11 @@ def assign_from_view(parameter, view, dtype):
     positions = local_positions(
         tuple(parameter.shape), spec.mesh, spec.placements
     )
+    local = torch_internals.local_tensor(parameter)
     with torch.no_grad():
-        write_blocks(
-            torch_internals.local_tensor(parameter), positions, view, dtype
-        )
+        write_blocks(local, positions, view, dtype)
+    # A variable a load creates and then writes needs no initial values.
+    deferred_initialization.note_written(local)
 
 
 def write_blocks(local, positions, view, dtype):

@@ -9,6 +9,10 @@ shard plus one chunk's working buffer. Called by `keras_dtensor`'s
 `Variable._initialize_with_initializer` edit, for a variable with a
 layout, through `distribution_lib.initialize_variable_shard`.
 
+Inside `deferred_initialization.loading_created_variables()` (a load
+creating a model), the shard is allocated empty and filled only if the
+load does not write it.
+
 Contract: the values are bit-identical to the full path's (`_ChunkedDraws`,
 `_RandomStream`). That holds for Keras's random initializers seeded with
 an integer, and for `Zeros`, `Ones` and `Constant`, with float32
@@ -29,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.common.variables import standardize_dtype
+from keras.src.backend.torch import deferred_initialization
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch.created_tensors import replicating_created_tensors
 from keras.src.backend.torch.torch_internals import (
@@ -72,11 +77,18 @@ def initialize_variable_shard(initializer, shape, dtype, layout):
         shape, layout.mesh, layout.placements
     )
     local = torch.empty(local_shape, dtype=dtype)
-    try:
-        _fill_shard(local, initializer, shape, offset)
-    except _NotSplittable as error:
-        _log_fallback(initializer, shape, str(error))
-        return None
+    if deferred_initialization.deferring():
+        # A load is creating the variable: it will most likely overwrite
+        # the shard, so the initializer runs only if it does not.
+        deferred_initialization.defer(
+            local, lambda: _fill_later(local, initializer, shape, offset)
+        )
+    else:
+        try:
+            _fill_shard(local, initializer, shape, offset)
+        except _NotSplittable as error:
+            _log_fallback(initializer, shape, str(error))
+            return None
     return DTensor.from_local(
         local,
         layout.mesh,
@@ -102,6 +114,25 @@ def _fill_shard(local, initializer, shape, offset):
             initializer, standardize_dtype(local.dtype), start, end
         )
         local[start - first : end - first] = rows[(slice(None), *block)]
+
+
+def _fill_later(local, initializer, shape, offset):
+    """Writes the shard at `offset` into `local` after its creation: chunk
+    by chunk, or, where a chunk cannot stand in for the whole, from the
+    full value, as the full path would have (the initializer is stateless:
+    `_why_not_splittable` let it through)."""
+    try:
+        _fill_shard(local, initializer, shape, offset)
+    except _NotSplittable as error:
+        _log_fallback(initializer, shape, str(error))
+        full = torch.as_tensor(
+            initializer(shape, dtype=standardize_dtype(local.dtype))
+        )
+        block = tuple(
+            slice(start, start + size)
+            for start, size in zip(offset, local.shape)
+        )
+        local.copy_(full[block])
 
 
 def _why_not_splittable(initializer, shape, dtype, layout):
