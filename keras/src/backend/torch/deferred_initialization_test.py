@@ -112,6 +112,23 @@ class LoadingCreatedVariablesTest(testing.TestCase):
             local.detach().numpy(), self.initial(initializer)
         )
 
+    def test_other_dtypes_are_deferred_and_filled_from_the_full_value(self):
+        initializer = initializers.RandomNormal(seed=8)
+        full = initializer(SHAPE, dtype="bfloat16")
+        shard = sharded_initialization.initialize_variable_shard(
+            initializer, SHAPE, torch.bfloat16, self.layout
+        )
+        # Outside a load, bfloat16 takes the full path.
+        self.assertIsNone(shard)
+        with deferred_initialization.loading_created_variables():
+            shard = sharded_initialization.initialize_variable_shard(
+                initializer, SHAPE, torch.bfloat16, self.layout
+            )
+        self.assertEqual(shard.dtype, torch.bfloat16)
+        torch.testing.assert_close(
+            shard.to_local(), torch.as_tensor(full), rtol=0, atol=0
+        )
+
     def test_a_fill_that_cannot_run_by_chunks_takes_the_full_value(self):
         initializer = initializers.TruncatedNormal(seed=7)
         with mock.patch.object(
