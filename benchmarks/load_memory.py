@@ -31,8 +31,23 @@ loading before it: every process reads every full array and keeps its
 part, forced by switching the saving edits off while loading). With
 `--save`, the `slices` launches also save the model (`.weights.h5` and
 `.keras`) under the distribution and report process 0's peak memory rise
-during each save against the largest variable's size. Results: a markdown
-table on stdout and `--out/load_memory.json`.
+during each save against the largest variable's size. `--dtype` gives
+the layers another dtype (`bfloat16`).
+
+`--model gemma`: keras-hub's Gemma backbone of about the same size
+(`build_gemma`: `--blocks` decoder blocks, 8 heads of 256, an MLP of
+4 x `--hidden` split in two) under its own layout map on a (1, N) mesh;
+the single process saves it with `save_to_preset`, and each launch
+measures `GemmaBackbone.from_preset` of that folder (`slices` only: the
+path this project takes).
+
+`load_model` and `from_preset` create the model inside the load: its
+shards are created empty and filled by the load
+(`keras/src/backend/torch/deferred_initialization.py`). Each launch also
+measures creating the model alone, outside a load, for comparison.
+Results: a markdown table on stdout and `--out/load_memory.json`
+(`load_memory_gemma.json`, `load_memory_bfloat16.json`, ... for the
+other models and dtypes).
 """
 
 import argparse
@@ -222,8 +237,9 @@ def run(args):
 def run_preset(args, distributed):
     """keras-hub: the single process saves a Gemma preset folder, and every
     launch measures `from_preset` (which creates the model) from it."""
-    import keras
     import keras_hub
+
+    import keras
 
     preset = os.path.join(args.files, "preset")
     result = {"files": {}}
@@ -248,9 +264,7 @@ def run_preset(args, distributed):
         "rise_bytes": rise,
         "read_bytes": read,
         "seconds": seconds,
-        "file_bytes": os.path.getsize(
-            os.path.join(preset, "model.weights.h5")
-        ),
+        "file_bytes": os.path.getsize(os.path.join(preset, "model.weights.h5")),
         "checksums": checksums(loaded),
     }
     if distributed:
