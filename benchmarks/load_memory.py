@@ -31,8 +31,23 @@ loading before it: every process reads every full array and keeps its
 part, forced by switching the saving edits off while loading). With
 `--save`, the `slices` launches also save the model (`.weights.h5` and
 `.keras`) under the distribution and report process 0's peak memory rise
-during each save against the largest variable's size. Results: a markdown
-table on stdout and `--out/load_memory.json`.
+during each save against the largest variable's size. `--dtype` gives
+the layers another dtype (`bfloat16`).
+
+`--model gemma`: keras-hub's Gemma backbone of about the same size
+(`build_gemma`: `--blocks` decoder blocks, 8 heads of 256, an MLP of
+4 x `--hidden` split in two) under its own layout map on a (1, N) mesh;
+the single process saves it with `save_to_preset`, and each launch
+measures `GemmaBackbone.from_preset` of that folder (`slices` only: the
+path this project takes).
+
+`load_model` and `from_preset` create the model inside the load: its
+shards are created empty and filled by the load
+(`keras/src/backend/torch/deferred_initialization.py`). Each launch also
+measures creating the model alone, outside a load, for comparison.
+Results: a markdown table on stdout and `--out/load_memory.json`
+(`load_memory_gemma.json`, `load_memory_bfloat16.json`, ... for the
+other models and dtypes).
 """
 
 import argparse
@@ -52,18 +67,49 @@ FILES = {"weights": "model.weights.h5", "keras": "model.keras"}
 def build_model(args):
     import keras
 
+    dtype = args.dtype
     tokens = keras.Input((8,), dtype="int32")
-    x = keras.layers.Embedding(args.vocab, args.hidden, name="embed")(tokens)
+    x = keras.layers.Embedding(
+        args.vocab, args.hidden, name="embed", dtype=dtype
+    )(tokens)
     for i in range(args.blocks):
-        h = keras.layers.LayerNormalization(name=f"norm{i}")(x)
-        h = keras.layers.Dense(4 * args.hidden, name=f"up{i}")(h)
-        x = x + keras.layers.Dense(args.hidden, name=f"down{i}")(h)
+        h = keras.layers.LayerNormalization(name=f"norm{i}", dtype=dtype)(x)
+        h = keras.layers.Dense(4 * args.hidden, name=f"up{i}", dtype=dtype)(h)
+        x = x + keras.layers.Dense(args.hidden, name=f"down{i}", dtype=dtype)(h)
     return keras.Model(tokens, x)
 
 
-def set_distribution(count):
+def build_gemma(args):
+    """keras-hub's Gemma backbone of about the same size: `--blocks`
+    decoder blocks of 8 heads of 256, an MLP of 2 x `--hidden`."""
+    import keras_hub
+
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=args.vocab,
+        num_layers=args.blocks,
+        num_query_heads=8,
+        num_key_value_heads=8,
+        hidden_dim=args.hidden,
+        intermediate_dim=4 * args.hidden,
+        head_dim=256,
+        dtype=args.dtype,
+    )
+
+
+def set_distribution(count, model="mlp"):
     import keras
 
+    if model == "gemma":
+        import keras_hub
+
+        mesh = keras.distribution.DeviceMesh(
+            (1, count), ("batch", "model"), keras.distribution.list_devices()
+        )
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+        return
     mesh = keras.distribution.DeviceMesh(
         (count,), ("model",), keras.distribution.list_devices()
     )
@@ -134,7 +180,12 @@ def run(args):
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         keras.distribution.initialize()
-        set_distribution(int(os.environ["WORLD_SIZE"]))
+        set_distribution(int(os.environ["WORLD_SIZE"]), args.model)
+    if args.model == "gemma":
+        result = run_preset(args, distributed)
+        with open(os.path.join(args.work, f"result{rank}.json"), "w") as f:
+            json.dump(result, f)
+        return
     keras.utils.set_random_seed(1)
     model, create_rise, _, _ = measured(lambda: build_model(args))
     result = {"files": {}, "create_rise_bytes": create_rise}
@@ -183,6 +234,49 @@ def run(args):
         json.dump(result, f)
 
 
+def run_preset(args, distributed):
+    """keras-hub: the single process saves a Gemma preset folder, and every
+    launch measures `from_preset` (which creates the model) from it."""
+    import keras_hub
+
+    import keras
+
+    preset = os.path.join(args.files, "preset")
+    result = {"files": {}}
+    if not distributed:
+        keras.utils.set_random_seed(1)
+        model, result["create_rise_bytes"], _, _ = measured(
+            lambda: build_gemma(args)
+        )
+        model.save_to_preset(preset)
+        result["checksums"] = checksums(model)
+        del model
+    if args.path == "full":
+        from keras_dtensor import _saving_edits
+
+        _saving_edits._distribution_is_set = lambda: False
+    loaded, rise, read, seconds = measured(
+        lambda: keras_hub.models.GemmaBackbone.from_preset(preset)
+    )
+    total, sharded = shard_bytes(loaded)
+    result.update(shard_bytes=total, sharded_bytes=sharded)
+    result["files"]["preset"] = {
+        "rise_bytes": rise,
+        "read_bytes": read,
+        "seconds": seconds,
+        "file_bytes": os.path.getsize(os.path.join(preset, "model.weights.h5")),
+        "checksums": checksums(loaded),
+    }
+    if distributed:
+        # Created alone, outside a load, for comparison.
+        del loaded
+        keras.utils.set_random_seed(1)
+        _, result["create_rise_bytes"], _, _ = measured(
+            lambda: build_gemma(args)
+        )
+    return result
+
+
 def _full_bytes(variable):
     import math
 
@@ -198,6 +292,8 @@ def launch(args, processes, path, files):
         f"--vocab={args.vocab}",
         f"--hidden={args.hidden}",
         f"--blocks={args.blocks}",
+        f"--dtype={args.dtype}",
+        f"--model={args.model}",
         f"--path={path}",
         f"--files={files}",
         f"--work={work}",
@@ -248,7 +344,7 @@ def table(runs):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_ in runs:
-        for kind in FILES:
+        for kind in run_["ranks"][0]["files"]:
             ranks = run_["ranks"]
             shards = max(r["shard_bytes"] for r in ranks)
             rise = max(r["files"][kind]["rise_bytes"] for r in ranks)
@@ -256,7 +352,8 @@ def table(runs):
             seconds = max(r["files"][kind]["seconds"] for r in ranks)
             exact = all(r["files"][kind]["exact"] for r in ranks)
             lines.append(
-                f"| {run_['processes']} | {run_['path']} | {FILES[kind]} | "
+                f"| {run_['processes']} | {run_['path']} | "
+                f"{FILES.get(kind, kind)} | "
                 f"{shards / mib:.0f} | {rise / mib:.0f} | "
                 f"{rise / shards:.2f} | {read / mib:.0f} | "
                 f"{read / shards:.2f} | {seconds:.1f} | "
@@ -264,8 +361,8 @@ def table(runs):
             )
     lines += [
         "",
-        "`load_model` creates the model: its rise includes the variables'"
-        " creation, which alone raises peak memory by (largest over the "
+        "`load_model` and `from_preset` create the model; creating it "
+        "alone, outside a load, raises peak memory by (largest over the "
         "processes):",
         "",
         "| processes | path | creation rise (MiB) | creation rise / shards |",
@@ -308,6 +405,14 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=65536)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--model",
+        choices=["mlp", "gemma"],
+        default="mlp",
+        help="mlp: the Keras model, saved as files; gemma: keras-hub's "
+        "Gemma backbone, saved as a preset folder, loaded by from_preset",
+    )
     parser.add_argument(
         "--processes",
         type=lambda s: [int(n) for n in s.split(",")],
@@ -335,7 +440,12 @@ def main(argv=None):
     runs = measure_all(args)
     print(table(runs))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "load_memory.json"), "w") as f:
+    name = "_".join(
+        ["load_memory"]
+        + ([args.model] if args.model != "mlp" else [])
+        + ([args.dtype] if args.dtype != "float32" else [])
+    )
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
 
 

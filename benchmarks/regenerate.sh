@@ -18,11 +18,13 @@
 # is installed; peak_memory.py and keras_hub_step.py write .json and .md;
 # remat.py writes .json only.
 #
-# Environment: TORCHRUN (default: torchrun) is the launcher.
+# Environment: TORCHRUN (default: torchrun) is the launcher, PYTHON
+# (default: python) the interpreter of the scripts that launch their own.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export KERAS_BACKEND=torch
 TORCHRUN=${TORCHRUN:-torchrun}
+PYTHON=${PYTHON:-python}
 OUT=benchmarks/results
 FAILED=()
 
@@ -88,6 +90,15 @@ cpu() {
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
         --tag n2_keras_hub_mid_lora_jit_9708d71
+    # Loading and saving a 1 GiB model by part, on 2 and 4 processes (each
+    # script starts its own launches; the .md files are written from the
+    # tables they print).
+    run load_memory "$PYTHON" benchmarks/load_memory.py --save --out "$OUT"
+    run load_memory_gemma "$PYTHON" benchmarks/load_memory.py --model gemma \
+        --paths slices --out "$OUT"
+    run load_memory_bfloat16 "$PYTHON" benchmarks/load_memory.py \
+        --dtype bfloat16 --save --paths slices --out "$OUT"
+    run replicated_reads "$PYTHON" benchmarks/replicated_reads.py --out "$OUT"
 }
 
 gpu() {

@@ -7,8 +7,9 @@ weights format in several files) load under a (4,) mesh (one axis), a
 `DataParallel` (replicated). Each process must read from the files
 exactly the elements of its local tensors, and every process must hold
 the file's values. Uneven shapes, files saved under a distribution read
-by plain keras, and keras-hub's `from_preset` from a local preset folder
-are checked in the same launch.
+by plain keras (bfloat16 too), `load_model` and `from_preset` running no
+initializer of what they load, and keras-hub's `from_preset` from a local
+preset folder are checked in the same launch.
 """
 
 import harness
@@ -129,12 +130,32 @@ def test_files_saved_under_distribution_load_in_plain_keras(reports):
         assert_same_arrays(report["saved/plain_sharded"], saved)
 
 
+def test_load_model_runs_no_initializer_of_what_it_loads(reports):
+    # The model loaded by `load_model` is created with empty shards, which
+    # the file fills; outside a load, the same model runs its
+    # initializers shard by shard.
+    for report in reports:
+        for layout in ("one_axis", "several_axes"):
+            assert report[f"{layout}/keras/created_initialized"] > 0
+            assert report[f"{layout}/keras/initialized"] == 0
+
+
+def test_bfloat16_saved_under_distribution_by_chunks(reports):
+    saved = reports[0]["bfloat16/values"]
+    for report in reports:
+        # The embedding, the kernel and the bias are sharded.
+        assert report["bfloat16/by_chunks"] == ["torch.bfloat16"] * 3
+        assert report["bfloat16/values"] == saved
+        assert report["bfloat16/plain"] == saved
+
+
 def test_keras_hub_from_preset_reads_local_tensors(reports):
     harness.require("keras_hub")
     reference = reports[0]["keras_hub/reference"]
     total = sum(np.asarray(w).size for w in reference)
     for report in reports:
         assert report["keras_hub/read"] == report["keras_hub/local"]
+        assert report["keras_hub/initialized"] == 0
         assert report["keras_hub/local"] < total / 2
         assert report["keras_hub/embedding_placements"] == ["S(1)", "S(0)"]
         assert_same_arrays(report["keras_hub/values"], reference)

@@ -71,8 +71,62 @@ def edit_causal_lm_generates_on_global_batch(causal_lm_module):
     causal_lm.make_generate_function = make_generate_function
 
 
+def edit_preset_loader_creates_loaded_variables_empty(preset_utils):
+    """Under a distribution, `from_preset` that loads weights creates the
+    model's sharded variables empty, and initializes only those the
+    preset's weights do not write.
+
+    keras-hub creates the backbone (or task) from its config, which runs
+    every initializer, then loads the weights over them. Inside
+    `deferred_initialization.loading_created_variables`, a sharded
+    variable made shard by shard starts empty, and gets its initial
+    values when the load ends only if no weight was written into it (a
+    task's head that the preset does not hold, say), exactly those it
+    would have had.
+
+    Stands for: in `keras_hub/src/utils/preset_utils.py`,
+    `KerasPresetLoader.load_backbone` and `load_task` run inside that
+    scope when `load_weights` is true and a distribution is set.
+    """
+    if not support.is_torch_backend():
+        return
+    loader = getattr(preset_utils, "KerasPresetLoader", None)
+    current_distribution = support.distribution_accessor()
+    for name in ("load_backbone", "load_task"):
+        # A keras-hub without them loads as it does: only memory differs.
+        if not hasattr(loader, name):
+            continue
+        setattr(
+            loader,
+            name,
+            _creating_loaded_variables_empty(
+                getattr(loader, name), current_distribution
+            ),
+        )
+
+
+def _creating_loaded_variables_empty(upstream, current_distribution):
+    """`upstream(self, cls, load_weights, ...)` inside the deferring scope
+    where it loads weights under a distribution."""
+
+    def load(self, cls, load_weights, *args, **kwargs):
+        if not load_weights or current_distribution() is None:
+            return upstream(self, cls, load_weights, *args, **kwargs)
+        from keras.src.backend.torch import deferred_initialization
+
+        with deferred_initialization.loading_created_variables():
+            return upstream(self, cls, load_weights, *args, **kwargs)
+
+    load.__doc__ = upstream.__doc__
+    load.__name__ = upstream.__name__
+    return load
+
+
 POST_IMPORT_EDITS = {
     "keras_hub.src.models.causal_lm": lambda: [
         edit_causal_lm_generates_on_global_batch
+    ],
+    "keras_hub.src.utils.preset_utils": lambda: [
+        edit_preset_loader_creates_loaded_variables_empty
     ],
 }

@@ -340,7 +340,8 @@ def edit_weights_store_writes_by_chunks(saving_lib):
 
     Stands for: in `keras/src/saving/saving_lib.py`, when a distribution
     is set, `H5IOStore.__setitem__` of a variable (or DTensor) whose value
-    is sharded, of a dtype numpy holds, creates the dataset and fills it
+    is sharded, of a dtype numpy (or `ml_dtypes`, for bfloat16, marked as
+    upstream marks it) holds, creates the dataset and fills it
     with `shard_writes.write_by_chunks` (each process sends process 0 its
     local tensor a chunk at a time; no process gathers the full value),
     and `ShardedH5IOStore.__setitem__` sizes such a value from its shape
@@ -359,11 +360,16 @@ def edit_weights_store_writes_by_chunks(saving_lib):
 
         if not self._h5_entry_initialized:
             self._create_h5_group(self._h5_entry_path)
+        dtype = saving_lib.backend.standardize_dtype(parameter.dtype)
+        bfloat16 = dtype == "bfloat16"
         dataset = self._h5_entry_group.create_dataset(
             key,
             shape=tuple(parameter.shape),
-            dtype=saving_lib.backend.standardize_dtype(parameter.dtype),
+            dtype=saving_lib.ml_dtypes.bfloat16 if bfloat16 else dtype,
         )
+        if bfloat16:
+            # As upstream marks it: h5py stores bfloat16 as opaque values.
+            dataset.attrs["dtype"] = "bfloat16"
         shard_writes.write_by_chunks(parameter, dataset.__setitem__)
 
     store.__setitem__ = __setitem__
@@ -427,22 +433,15 @@ def _note_file(store, group):
 
 
 def _sharded_dtensor(value):
-    """The sharded DTensor value of a variable or DTensor, or None (also
-    for bfloat16, which h5py stores as upstream converts it)."""
+    """The sharded DTensor value of a variable or DTensor, or None."""
     from torch.distributed.tensor import DTensor
 
     value = getattr(value, "_value", value)
-    if not isinstance(value, DTensor) or value.dtype == _bfloat16():
+    if not isinstance(value, DTensor):
         return None
     if not any(p.is_shard() for p in value.placements):
         return None
     return value
-
-
-def _bfloat16():
-    import torch
-
-    return torch.bfloat16
 
 
 def edit_optimizer_saves_variables(base_optimizer):
@@ -477,9 +476,12 @@ def edit_keras_archive_loads_in_place(saving_lib):
     memory before adding it to the archive. Stands for: in
     `keras/src/saving/saving_lib.py`, when a distribution is set,
     `_load_model_from_fileobj` opens its weights store on the archive's
-    member (`zip_members.load_model_in_place`), and `is_memory_sufficient`
-    is false, so that `_save_model_to_fileobj` writes the weights into a
-    file beside the archive and copies that in.
+    member (`zip_members.load_model_in_place`), the model's sharded
+    variables created empty and initialized only where the file does not
+    write them (`deferred_initialization.loading_created_variables`);
+    and `is_memory_sufficient` is false, so that `_save_model_to_fileobj`
+    writes the weights into a file beside the archive and copies that
+    in.
     """
     if not support.is_torch_backend():
         return
@@ -489,11 +491,15 @@ def edit_keras_archive_loads_in_place(saving_lib):
     def _load_model_from_fileobj(fileobj, custom_objects, compile, safe_mode):
         if not _distribution_is_set():
             return upstream_load(fileobj, custom_objects, compile, safe_mode)
+        from keras.src.backend.torch import deferred_initialization
         from keras.src.saving import zip_members
 
-        return zip_members.load_model_in_place(
-            fileobj, custom_objects, compile, safe_mode
-        )
+        # The variables the model is created with are overwritten by the
+        # weights: they get initial values only where the file has none.
+        with deferred_initialization.loading_created_variables():
+            return zip_members.load_model_in_place(
+                fileobj, custom_objects, compile, safe_mode
+            )
 
     def is_memory_sufficient(model):
         if _distribution_is_set():

@@ -32,6 +32,8 @@ EDITS_WITHOUT_PATCH = {
     "of the mount (KERAS_DTENSOR_NO_DDP) for tests",
     "edit_causal_lm_generates_on_global_batch": "a change to keras-hub, "
     "not to Keras (UPSTREAMING.md, keras-hub)",
+    "edit_preset_loader_creates_loaded_variables_empty": "a change to "
+    "keras-hub, not to Keras (UPSTREAMING.md, keras-hub)",
 }
 
 

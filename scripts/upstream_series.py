@@ -210,6 +210,7 @@ MODULE_PATCHES = (
             S + "zip_members.py",
             T + "shard_reads.py",
             T + "shard_writes.py",
+            T + "deferred_initialization.py",
         ],
     ),
 )

@@ -17,8 +17,14 @@ Usage: sliced_loading_worker.py WORK_DIR (on 4 processes)
 4. Under the (2, 2) mesh, the model saves `.keras` and the sharded
    format (its sharded variables written as gathered, in chunks of a few
    rows); with the distribution unset, plain keras loads both.
-5. keras-hub (where installed): a tiny Gemma saved with `save_to_preset`
+5. A bfloat16 model saved under the (4,) mesh: its sharded variables
+   written by chunks; plain keras reads the same bits back.
+6. keras-hub (where installed): a tiny Gemma saved with `save_to_preset`
    loads with `from_preset` under its published layout map.
+
+Sharded variables are created a few rows at a time (`CHUNK_BYTES`), so
+that `load_model` and `from_preset` create them empty and never run
+their initializers (`INITIALIZED` counts the shards filled).
 """
 
 import json
@@ -33,6 +39,7 @@ from worker_utils import record
 import keras
 from keras.src.backend.torch import shard_reads
 from keras.src.backend.torch import shard_writes
+from keras.src.backend.torch import sharded_initialization
 from keras.src.saving import dataset_views
 from keras.src.saving import zip_members
 
@@ -93,6 +100,21 @@ def count_reads():
     dataset_views.DatasetView.read_blocks = counted_read_blocks
     dataset_views.DatasetView.__getitem__ = counted_getitem
     zip_members._MemberFile.readinto = counted_readinto
+
+
+# Shards filled by their initializers, chunk by chunk.
+INITIALIZED = {"shards": 0}
+
+
+def count_initialized():
+    sharded_initialization.CHUNK_BYTES = 256
+    fill_shard = sharded_initialization._fill_shard
+
+    def counted_fill_shard(*args):
+        INITIALIZED["shards"] += 1
+        return fill_shard(*args)
+
+    sharded_initialization._fill_shard = counted_fill_shard
 
 
 def build_model(seed=SEED):
@@ -182,8 +204,10 @@ def load_under(name, work):
             record(f"{kind}/read", READ["elements"])
             record(f"{kind}/local", local_elements(model))
             record(f"{kind}/values", values(model))
-        READ["elements"] = READ["bytes"] = 0
+        record("keras/created_initialized", INITIALIZED["shards"])
+        READ["elements"] = READ["bytes"] = INITIALIZED["shards"] = 0
         model = keras.saving.load_model(os.path.join(work, "model.keras"))
+        record("keras/initialized", INITIALIZED["shards"])
         record("keras/read", READ["elements"])
         record("keras/read_bytes", READ["bytes"])
         record("keras/local", local_elements(model))
@@ -261,6 +285,43 @@ def save_and_read_plainly(work):
     record("saved/plain_sharded", values(plain))
 
 
+def bfloat16_model(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(
+        VOCABULARY, 64, name="embedding", dtype="bfloat16"
+    )(inputs)
+    outputs = keras.layers.Dense(8, name="output", dtype="bfloat16")(x)
+    return keras.Model(inputs, outputs)
+
+
+def save_bfloat16(work):
+    set_distribution("one_axis")
+    model = bfloat16_model(SEED)
+    written = []
+    write_by_chunks = shard_writes.write_by_chunks
+
+    def counted(parameter, write):
+        written.append(str(parameter.dtype))
+        return write_by_chunks(parameter, write)
+
+    shard_writes.write_by_chunks = counted
+    path = os.path.join(work, "saved", "bfloat16.weights.h5")
+    model.save_weights(path)
+    shard_writes.write_by_chunks = write_by_chunks
+    record("bfloat16/by_chunks", written)
+    record("bfloat16/values", _bits(model))
+    keras.distribution.set_distribution(None)
+    plain = bfloat16_model(SEED + 1)
+    plain.load_weights(path)
+    record("bfloat16/plain", _bits(plain))
+
+
+def _bits(model):
+    """Each weight's bfloat16 bits."""
+    return [np.asarray(w).view("int16").tolist() for w in model.get_weights()]
+
+
 def load_keras_hub_preset(work):
     try:
         import keras_hub
@@ -291,8 +352,9 @@ def load_keras_hub_preset(work):
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map)
     )
-    READ["elements"] = 0
+    READ["elements"] = INITIALIZED["shards"] = 0
     loaded = keras_hub.models.GemmaBackbone.from_preset(preset)
+    record("keras_hub/initialized", INITIALIZED["shards"])
     record("keras_hub/read", READ["elements"])
     record(
         "keras_hub/local",
@@ -309,11 +371,13 @@ def main():
     (work,) = sys.argv[1:]
     keras.distribution.initialize()
     count_reads()
+    count_initialized()
     write_reference(work)
     for name in LAYOUTS:
         load_under(name, work)
     load_uneven(work)
     save_and_read_plainly(work)
+    save_bfloat16(work)
     load_keras_hub_preset(work)
     worker_utils.report()
 

@@ -45,6 +45,7 @@ from keras.src.backend.common.keras_tensor import KerasTensor
 # by shard) and `sharding_rules` (DTensor rules, registered when the first
 # mesh is made).
 from keras.src.backend.torch import batch_distribution
+from keras.src.backend.torch import deferred_initialization
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gloo_groups
 from keras.src.backend.torch import local_call_checks
@@ -317,11 +318,12 @@ def assign_to_variable(parameter, value):
     local_call_checks.note_effect()
     spec = torch_internals.spec_of(parameter)
     replicated = (Replicate(),) * len(spec.placements)
+    local = torch_internals.local_tensor(parameter)
     if not isinstance(value, DTensor) and spec.placements == replicated:
         # Every process holds the whole value: no slicing to do.
-        local = torch_internals.local_tensor(parameter)
         with torch.no_grad():
             local.copy_(torch.as_tensor(value, device=local.device))
+        deferred_initialization.note_written(local)
         return
     layout = dtensor_layouts.DTensorLayout(
         spec.mesh, tuple(spec.placements), None, None
@@ -336,7 +338,9 @@ def assign_to_variable(parameter, value):
             src_data_rank=None,
         )
     with torch.no_grad():
-        parameter.to_local().copy_(value.to_local())
+        local.copy_(value.to_local())
+    # A variable a load creates and then writes needs no initial values.
+    deferred_initialization.note_written(local)
 
 
 def distribute_tensor(tensor, layout):

@@ -24,6 +24,7 @@ No collective is issued.
 import itertools
 import math
 
+import ml_dtypes
 import numpy as np
 import torch
 from torch.distributed.tensor import Partial
@@ -31,6 +32,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+from keras.src.backend.torch import deferred_initialization
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.core import convert_to_tensor
@@ -58,10 +60,11 @@ def assign_from_view(parameter, view, dtype):
     positions = local_positions(
         tuple(parameter.shape), spec.mesh, spec.placements
     )
+    local = torch_internals.local_tensor(parameter)
     with torch.no_grad():
-        write_blocks(
-            torch_internals.local_tensor(parameter), positions, view, dtype
-        )
+        write_blocks(local, positions, view, dtype)
+    # A variable a load creates and then writes needs no initial values.
+    deferred_initialization.note_written(local)
 
 
 def write_blocks(local, positions, view, dtype):
@@ -70,7 +73,17 @@ def write_blocks(local, positions, view, dtype):
     for block in itertools.product(*[runs_of(p) for p in positions]):
         for source, target in _chunks(block, view.dtype.itemsize):
             (value,) = view.read_blocks([source])
-            local[target].copy_(convert_to_tensor(value, dtype=dtype))
+            local[target].copy_(_as_tensor(value, dtype))
+
+
+def _as_tensor(value, dtype):
+    """A chunk read from a file as a tensor of the variable's dtype."""
+    if value.dtype == ml_dtypes.bfloat16 and dtype == "bfloat16":
+        # The same bits, no copy: `convert_to_tensor` goes through float32,
+        # three times the chunk's bytes.
+        bits = torch.from_numpy(np.ascontiguousarray(value).view(np.int16))
+        return bits.view(torch.bfloat16)
+    return convert_to_tensor(value, dtype=dtype)
 
 
 def _chunks(block, itemsize):

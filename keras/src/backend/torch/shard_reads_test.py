@@ -103,3 +103,18 @@ def test_positions_on_a_mesh_of_one_process(distribution):
     saved = Recorded(np.arange(15, dtype="float32").reshape(5, 3))
     shard_reads.assign_from_view(parameter, saved, "float32")
     np.testing.assert_array_equal(parameter.to_local().numpy(), saved.value)
+
+
+def test_bfloat16_chunks_are_written_bit_for_bit():
+    import ml_dtypes
+
+    value = np.linspace(-3, 3, 48, dtype="float32").reshape(8, 6)
+    saved = Recorded(value.astype(ml_dtypes.bfloat16))
+    local = torch.zeros((8, 6), dtype=torch.bfloat16)
+    with mock.patch.object(shard_reads, "CHUNK_BYTES", 24):
+        shard_reads.write_blocks(
+            local, [np.arange(8), np.arange(6)], saved, "bfloat16"
+        )
+    np.testing.assert_array_equal(
+        local.view(torch.int16).numpy(), saved.value.view("int16")
+    )

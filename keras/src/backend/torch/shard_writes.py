@@ -22,6 +22,7 @@ chunk, their number computed from what every process knows.
 
 import math
 
+import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -99,17 +100,23 @@ def _write_piece(write, piece, sender, start, rows):
     stop = min(start + rows, local_shape[0])
     if stop <= start:
         return
-    # Received on the process's device; a CPU tensor's numpy view is no
-    # copy.
-    values = piece.numpy() if piece.device.type == "cpu" else None
-    if values is None:
-        values = convert_to_numpy(piece)
+    values = _numpy_view(piece)
     positions = [positions[0][start:stop], *positions[1:]]
     runs = [shard_reads.runs_of(p) for p in positions]
     for block in _product(runs):
         selection = tuple(slice(s, e) for s, e, _ in block)
         local = tuple(slice(o, o + e - s) for s, e, o in block)
         write(selection, np.ascontiguousarray(values[local]))
+
+
+def _numpy_view(piece):
+    """`piece` as a numpy array: on CPU a view, no copy (bfloat16's bits
+    viewed as `ml_dtypes.bfloat16`, which torch's `numpy` refuses)."""
+    if piece.device.type != "cpu":
+        return convert_to_numpy(piece)
+    if piece.dtype == torch.bfloat16:
+        return piece.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return piece.numpy()
 
 
 def _product(runs):

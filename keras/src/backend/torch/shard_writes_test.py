@@ -37,3 +37,22 @@ def test_chunks_rebuild_the_full_value(distribution, placement, chunk_bytes):
     # least).
     assert sum(pieces) == value.numel() * 4
     assert max(pieces) <= max(chunk_bytes, 40)
+
+
+def test_bfloat16_chunks_are_written_as_ml_dtypes_bits(distribution):
+    import ml_dtypes
+
+    mesh = distribution.device_mesh.backend_mesh
+    value = torch.linspace(-3, 3, 70).reshape(7, 10).to(torch.bfloat16)
+    parameter = distribute_tensor(value, mesh, (Shard(0),))
+    written = np.zeros((7, 10), dtype=ml_dtypes.bfloat16)
+
+    def write(selection, values):
+        assert values.dtype == ml_dtypes.bfloat16
+        written[selection] = values
+
+    with mock.patch.object(shard_writes, "CHUNK_BYTES", 40):
+        shard_writes.write_by_chunks(parameter, write)
+    np.testing.assert_array_equal(
+        written.view("int16"), value.view(torch.int16).numpy()
+    )

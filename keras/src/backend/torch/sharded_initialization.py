@@ -9,6 +9,11 @@ shard plus one chunk's working buffer. Called by `keras_dtensor`'s
 `Variable._initialize_with_initializer` edit, for a variable with a
 layout, through `distribution_lib.initialize_variable_shard`.
 
+Inside `deferred_initialization.loading_created_variables()` (a load
+creating a model), the shard is allocated empty and filled only if the
+load does not write it, then from the full value where its dtype is not
+float32; other dtypes are deferred so too.
+
 Contract: the values are bit-identical to the full path's (`_ChunkedDraws`,
 `_RandomStream`). That holds for Keras's random initializers seeded with
 an integer, and for `Zeros`, `Ones` and `Constant`, with float32
@@ -29,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.common.variables import standardize_dtype
+from keras.src.backend.torch import deferred_initialization
 from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch.created_tensors import replicating_created_tensors
 from keras.src.backend.torch.torch_internals import (
@@ -64,7 +70,12 @@ def initialize_variable_shard(initializer, shape, dtype, layout):
         A DTensor in `layout` holding the values the full initialization
         would give, or `None` where the variable takes the full path.
     """
-    reason = _why_not_splittable(initializer, shape, dtype, layout)
+    deferring = deferred_initialization.deferring()
+    # A deferred shard a load does not write is filled from the full value
+    # where chunks are not bit-exact (`_fill_later`): any dtype will do.
+    reason = _why_not_splittable(
+        initializer, shape, dtype, layout, any_dtype=deferring
+    )
     if reason is not None:
         _log_fallback(initializer, shape, reason)
         return None
@@ -72,11 +83,18 @@ def initialize_variable_shard(initializer, shape, dtype, layout):
         shape, layout.mesh, layout.placements
     )
     local = torch.empty(local_shape, dtype=dtype)
-    try:
-        _fill_shard(local, initializer, shape, offset)
-    except _NotSplittable as error:
-        _log_fallback(initializer, shape, str(error))
-        return None
+    if deferring:
+        # A load is creating the variable: it will most likely overwrite
+        # the shard, so the initializer runs only if it does not.
+        deferred_initialization.defer(
+            local, lambda: _fill_later(local, initializer, shape, offset)
+        )
+    else:
+        try:
+            _fill_shard(local, initializer, shape, offset)
+        except _NotSplittable as error:
+            _log_fallback(initializer, shape, str(error))
+            return None
     return DTensor.from_local(
         local,
         layout.mesh,
@@ -104,8 +122,31 @@ def _fill_shard(local, initializer, shape, offset):
         local[start - first : end - first] = rows[(slice(None), *block)]
 
 
-def _why_not_splittable(initializer, shape, dtype, layout):
-    """Why the variable takes the full path, or `None` if it need not."""
+def _fill_later(local, initializer, shape, offset):
+    """Writes the shard at `offset` into `local` after its creation: chunk
+    by chunk (float32), or from the full value, as the full path would
+    have (other dtypes, or where a chunk cannot stand in for the whole;
+    the initializer is stateless: `_why_not_splittable` let it through).
+    """
+    try:
+        if local.dtype != torch.float32:
+            raise _NotSplittable(f"dtype {local.dtype}")
+        _fill_shard(local, initializer, shape, offset)
+    except _NotSplittable as error:
+        _log_fallback(initializer, shape, str(error))
+        full = torch.as_tensor(
+            initializer(shape, dtype=standardize_dtype(local.dtype))
+        )
+        block = tuple(
+            slice(start, start + size)
+            for start, size in zip(offset, local.shape)
+        )
+        local.copy_(full[block])
+
+
+def _why_not_splittable(initializer, shape, dtype, layout, any_dtype=False):
+    """Why the variable takes the full path, or `None` if it need not
+    (with `any_dtype`, whatever its dtype)."""
     if not any(p.is_shard() for p in layout.placements):
         return "replicated"
     # Small variables take the full path: one chunk is the whole variable.
@@ -114,7 +155,7 @@ def _why_not_splittable(initializer, shape, dtype, layout):
     # CUDA's generator does not split into pieces as CPU's does.
     if layout.mesh.device_type != "cpu":
         return f"the {layout.mesh.device_type} generator"
-    if dtype != torch.float32:
+    if dtype != torch.float32 and not any_dtype:
         return f"dtype {dtype}"
     if replicating_created_tensors():
         return "created inside a distributed step"
