@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.torch_internals import (
     compute_local_shape_and_global_offset,
@@ -167,6 +168,8 @@ def _split_like_value(target, index, value):
         torch_internals.take_layout(
             target, target.redistribute(mesh, placements)
         )
+        # A relayout in place that a call on local tensors would not make.
+        local_call_checks.note_effect()
 
 
 def _target_dims(index, ndim):
@@ -255,6 +258,8 @@ def _put_owned_elements(target, indices, values, accumulate):
     process that owns it, so the result is exact, with and without
     `accumulate`; the target keeps its layout and is never gathered.
     """
+    # Written at local indices: a call on local tensors would not.
+    local_call_checks.note_effect()
     local = target.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
