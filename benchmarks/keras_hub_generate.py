@@ -36,6 +36,7 @@ from keras_hub_step import set_distribution  # noqa: E402
 from torch.distributed.tensor import _redistribute  # noqa: E402
 
 import keras  # noqa: E402
+from keras.src.backend.torch import created_tensors  # noqa: E402
 
 
 def build(mode):
@@ -116,20 +117,33 @@ def ratio(times):
 def counted_moves(model, inputs):
     """The local tensor moves of one `generate()` call, by kind: each
     DTensor redistribution that reached torch's (after the project's
-    unit-axis shortcut), keyed by its placements."""
+    unit-axis shortcut), keyed by its placements; and under
+    "torch calls in the step's mode", the torch calls that ran under
+    the step's torch function mode (not those of local calls)."""
     counts = collections.Counter()
     moved = _redistribute.redistribute_local_tensor
+    mode_class = created_tensors._ReplicateCreatedTensors
+    dispatch = mode_class.__torch_function__
 
     def counting(local, current, target, *rest, **kwargs):
         counts[f"{current.placements} -> {target.placements}"] += 1
         return moved(local, current, target, *rest, **kwargs)
 
+    def counting_calls(mode, func, types, args=(), kwargs=None):
+        counts[MODE_CALLS] += 1
+        return dispatch(mode, func, types, args, kwargs)
+
     _redistribute.redistribute_local_tensor = counting
+    mode_class.__torch_function__ = counting_calls
     try:
         model.generate(inputs, stop_token_ids=None)
     finally:
         _redistribute.redistribute_local_tensor = moved
+        mode_class.__torch_function__ = dispatch
     return dict(counts.most_common())
+
+
+MODE_CALLS = "torch calls in the step's mode"
 
 
 def header(args):
@@ -166,7 +180,10 @@ def report(results):
         f"{results['same_tokens']}"
     )
     lines.append("")
-    lines.append("Local tensor moves of one mp call (prompt and tokens):")
+    lines.append(
+        "Local tensor moves of one mp call (prompt and tokens), and its "
+        "torch calls under the step's mode:"
+    )
     for kind, count in results["moves_per_call"].items():
         lines.append(f"- {count}: {kind}")
     return "\n".join(lines) + "\n"
