@@ -88,6 +88,10 @@ cpu() {
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
         --tag n2_keras_hub_mid_lora_jit_9708d71
+    # keras-hub's Gemma generate() per token, none against (1, 2).
+    run n2_keras_hub_generate_459adec "$TORCHRUN" --nproc_per_node=2 \
+        benchmarks/keras_hub_generate.py --new-tokens 16 --out "$OUT" \
+        --tag n2_keras_hub_generate_459adec
 }
 
 gpu() {
