@@ -5,8 +5,13 @@ Builds keras-hub causal LMs (`preprocessor=None`, a preset of
 distribution and once under each mode asked for (`dp`, `mp`: see
 `keras_hub_step.set_distribution`), and times greedy `generate()` on
 token ids, alternating the models: the median of 3 calls after one
-warm-up call, per new token. Prints each mode's time, its ratio to no
-distribution and whether its tokens are the same. Run it under torchrun:
+warm-up call, per new token, over `--rounds` rounds. Each call's process
+(CPU) time is measured too: on a machine that other work loads, the wall
+time of a collective includes waiting for the other process to be
+scheduled, which the CPU time leaves out. Prints each mode's times, their
+ratios to no distribution, whether its tokens are the same, and the
+local tensor moves of one call (collectives among them) with its torch
+calls under the step's mode. Run it under torchrun:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
         benchmarks/keras_hub_generate.py --new-tokens 16
@@ -16,9 +21,11 @@ Defaults: Gemma, the `mid` preset, `mp`. `--out` writes the report
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,13 +38,16 @@ import torch.distributed as dist  # noqa: E402
 from keras_hub_step import BACKBONES  # noqa: E402
 from keras_hub_step import PRESETS  # noqa: E402
 from keras_hub_step import set_distribution  # noqa: E402
+from torch.distributed.tensor import _redistribute  # noqa: E402
 
 import keras  # noqa: E402
+from keras.src.backend.torch import created_tensors  # noqa: E402
 
 CAUSAL_LMS = {
     "gemma": keras_hub.models.GemmaCausalLM,
     "llama": keras_hub.models.LlamaCausalLM,
 }
+MODE_CALLS = "torch calls in the step's mode"
 
 
 def build(name, mode, preset):
@@ -57,64 +67,150 @@ def synchronize():
 
 
 def time_model(name, mode, model, inputs, new_tokens):
-    """Milliseconds per new token (median of 3 calls) and the tokens."""
+    """Wall and CPU milliseconds per new token (medians of 3 calls), and
+    the tokens."""
     set_distribution(mode, BACKBONES[name])
     model.generate(inputs, stop_token_ids=None)
-    times = []
+    times, cpu_times = [], []
     for _ in range(3):
         synchronize()
+        cpu = time.process_time()
         start = time.perf_counter()
         out = model.generate(inputs, stop_token_ids=None)
         synchronize()
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times) / new_tokens, out["token_ids"]
+        cpu_times.append(time.process_time() - cpu)
+    wall = 1000 * statistics.median(times) / new_tokens
+    cpu = 1000 * statistics.median(cpu_times) / new_tokens
+    return wall, cpu, out["token_ids"]
+
+
+def counted_moves(model, inputs):
+    """The local tensor moves of one `generate()` call, by kind: each
+    DTensor redistribution that reached torch's (after the project's
+    unit-axis shortcut), keyed by its placements; and under `MODE_CALLS`,
+    the torch calls that ran under the step's torch function mode (not
+    those of local calls)."""
+    counts = collections.Counter()
+    moved = _redistribute.redistribute_local_tensor
+    mode_class = created_tensors._ReplicateCreatedTensors
+    dispatch = mode_class.__torch_function__
+
+    def counting(local, current, target, *rest, **kwargs):
+        counts[f"{current.placements} -> {target.placements}"] += 1
+        return moved(local, current, target, *rest, **kwargs)
+
+    def counting_calls(mode, func, types, args=(), kwargs=None):
+        counts[MODE_CALLS] += 1
+        return dispatch(mode, func, types, args, kwargs)
+
+    _redistribute.redistribute_local_tensor = counting
+    mode_class.__torch_function__ = counting_calls
+    try:
+        model.generate(inputs, stop_token_ids=None)
+    finally:
+        _redistribute.redistribute_local_tensor = moved
+        mode_class.__torch_function__ = dispatch
+    return dict(counts.most_common())
 
 
 def run_model(name, args, inputs):
-    """A row per mode: ms per token, ratio, whether the tokens match."""
+    """A row per mode: times per token, ratios, whether the tokens match
+    and, under a distribution, one call's moves."""
     modes = ["none"] + [m for m in args.modes.split(",") if m != "none"]
     models = {mode: build(name, mode, args.preset) for mode in modes}
-    per_token = {mode: [] for mode in modes}
+    wall = {mode: [] for mode in modes}
+    cpu = {mode: [] for mode in modes}
     tokens = {}
     for _ in range(args.rounds):
         for mode, model in models.items():
-            ms, out = time_model(name, mode, model, inputs, args.new_tokens)
-            per_token[mode].append(ms)
+            ms, cpu_ms, out = time_model(
+                name, mode, model, inputs, args.new_tokens
+            )
+            wall[mode].append(ms)
+            cpu[mode].append(cpu_ms)
             tokens[mode] = np.asarray(out)
+    rows = []
+    for mode in modes:
+        moves = {}
+        if mode != "none":
+            set_distribution(mode, BACKBONES[name])
+            moves = counted_moves(models[mode], inputs)
+        rows.append(
+            {
+                "model": name,
+                "mode": mode,
+                "ms_per_token": wall[mode],
+                "cpu_ms_per_token": cpu[mode],
+                "ratio": _ratio(wall, mode),
+                "cpu_ratio": _ratio(cpu, mode),
+                "same_tokens": bool(
+                    np.array_equal(tokens[mode], tokens["none"])
+                ),
+                "moves_per_call": moves,
+            }
+        )
     keras.distribution.set_distribution(None)
-    none = statistics.median(per_token["none"])
-    return [
-        {
-            "model": name,
-            "mode": mode,
-            "ms_per_token": per_token[mode],
-            "ratio": statistics.median(per_token[mode]) / none,
-            "same_tokens": bool(np.array_equal(tokens[mode], tokens["none"])),
-        }
-        for mode in modes
-    ]
+    return rows
 
 
-def report(rows, args):
+def _ratio(times, mode):
+    return statistics.median(times[mode]) / statistics.median(times["none"])
+
+
+def header(args):
+    """The run's machine, versions, commit, load and settings."""
     device = (
         torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     )
-    lines = [
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
         f"{device}, {dist.get_world_size()} process(es); torch "
         f"{torch.__version__}, keras {keras.__version__}, keras-hub "
         f"{keras_hub.__version__}; preset {args.preset}, {args.precision}, "
-        f"batch 4, prompt {args.prompt}, {args.new_tokens} new tokens, "
-        f"greedy; median of 3 calls per round, {args.rounds} rounds",
+        f"4 prompts of {args.prompt} tokens, {args.new_tokens} new tokens, "
+        f"greedy; median of 3 calls per round, {args.rounds} rounds; "
+        f"commit {commit}; load average at the end {load}"
+    )
+
+
+def report(rows, args):
+    """The results as Markdown."""
+    lines = [
+        header(args),
         "",
-        "| model | mode | ms per token (rounds) | × none | same tokens |",
-        "|---|---|---|---|---|",
+        "| model | mode | ms per token (rounds) | × none | CPU ms per token "
+        "(rounds) | × none | same tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        times = ", ".join(f"{t:.1f}" for t in row["ms_per_token"])
+        wall = ", ".join(f"{t:.1f}" for t in row["ms_per_token"])
+        cpu = ", ".join(f"{t:.1f}" for t in row["cpu_ms_per_token"])
         lines.append(
-            f"| {row['model']} | {row['mode']} | {times} "
-            f"| {row['ratio']:.2f} | {row['same_tokens']} |"
+            f"| {row['model']} | {row['mode']} | {wall} "
+            f"| {row['ratio']:.2f} | {cpu} | {row['cpu_ratio']:.2f} "
+            f"| {row['same_tokens']} |"
         )
+    for row in rows:
+        if row["moves_per_call"]:
+            lines.extend(
+                [
+                    "",
+                    f"{row['model']} {row['mode']}: local tensor moves of "
+                    "one call (prompt and tokens), and its torch calls "
+                    "under the step's mode:",
+                ]
+            )
+            lines.extend(
+                f"- {count}: {kind}"
+                for kind, count in row["moves_per_call"].items()
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -129,8 +225,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--tag", default="keras_hub_generate")
+    parser.add_argument("--out", default=None, help="Results folder.")
+    parser.add_argument("--tag", default="n2_keras_hub_generate")
     args = parser.parse_args()
     keras.distribution.initialize()
     keras.mixed_precision.set_global_policy(args.precision)
@@ -143,15 +239,16 @@ def main():
     rows = []
     for name in args.models.split(","):
         rows.extend(run_model(name, args, inputs))
-    text = report(rows, args)
     if dist.get_rank() == 0:
+        text = report(rows, args)
         print(text, flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+            path = os.path.join(args.out, args.tag)
+            with open(f"{path}.json", "w") as f:
+                json.dump({"header": header(args), "rows": rows}, f, indent=1)
+            with open(f"{path}.md", "w") as f:
                 f.write(text)
-            with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
-                json.dump({"header": text.splitlines()[0], "rows": rows}, f)
     dist.destroy_process_group()
     sys.exit(0 if all(row["same_tokens"] for row in rows) else 1)
 

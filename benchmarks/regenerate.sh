@@ -99,6 +99,10 @@ cpu() {
     run load_memory_bfloat16 "$PYTHON" benchmarks/load_memory.py \
         --dtype bfloat16 --save --paths slices --out "$OUT"
     run replicated_reads "$PYTHON" benchmarks/replicated_reads.py --out "$OUT"
+    # keras-hub's Gemma generate() per token, none against (1, 2).
+    run n2_keras_hub_generate_459adec "$TORCHRUN" --nproc_per_node=2 \
+        benchmarks/keras_hub_generate.py --new-tokens 16 --out "$OUT" \
+        --tag n2_keras_hub_generate_459adec
 }
 
 gpu() {

@@ -8,8 +8,10 @@ enabled after the layout map, `fit` with a weighted metric and the
 padding mask as sample weight, `evaluate`, `predict`, saving and
 reloading (`.keras`, `.weights.h5`, under the distribution and in one
 process without it), and greedy `generate()` (two prompts of unequal
-length, one prompt, a stop token). Every number is checked against the
-same workflow run without a distribution, by the same process:
+length, one prompt, a stop token; Gemma's head-split projections and
+rotary embedding run on local shards in it). Every number is checked
+against the same workflow run without a distribution, by the same
+process:
 - 2 processes: Gemma on (1, 2), (2, 1) and DataParallel (the whole
   workflow), and under the guide's own layout map on (1, 2) and (2, 1);
   Llama on (1, 2) and (2, 1); Qwen, Qwen-MoE and Qwen3-MoE on (1, 2) and
@@ -171,6 +173,15 @@ def test_greedy_generation_equals_one_process(launches, run):
         # The prompts keep their tokens, and generation fills the rest.
         two = np.asarray(ref["generate/two/token_ids"])
         assert two.shape == (2, 12) and (two[:, 5:] > 0).all()
+
+
+def test_tensor_parallel_layers_generate_on_local_shards(launches):
+    # Gemma's projections and rotary embedding, split by heads, reproduce
+    # their DTensor calls on local shards (`inference_local_calls`).
+    for got, _ in values(launches, f"gemma:1x2:{WORKFLOW}"):
+        assert {"EinsumDense", "RotaryEmbedding"} <= set(
+            got["generate/local_layers"]
+        )
 
 
 @pytest.mark.parametrize("run", runs_with("generate"))

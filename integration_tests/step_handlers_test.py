@@ -6,8 +6,10 @@ step's torch function mode: in-place writes into DTensors laid out
 otherwise than what is written (`copy_` of a column-split source into a
 replicated target, a slice assignment of a row-split value, `index_put_`
 into a row-split target, with and without `accumulate`, negative indices
-included); `argmax` along a split last dimension given as `-1`, `min`
-over a split dimension, `amax`; Python values (`int`, `item`,
+included; a cache cloned from a replicated one and written as keras-hub
+writes its KV cache, which takes the split of what is written, and whose
+writes gather nothing); `argmax` along a split last dimension given as
+`-1`, `min` over a split dimension, `amax`; Python values (`int`, `item`,
 `bool`, `tolist`) of split and partial DTensors; and the gradients of
 Gemma's rotary key path with one key/value head, whose backward views a
 `cat` that DTensor lays out locally otherwise than it records
@@ -69,6 +71,21 @@ def test_in_place_writes_keep_the_targets_layout(reports):
             assert report[f"{key}/values"] == expected.tolist(), (rank, key)
         # The row-split target was written where it lies, never gathered.
         assert report["index_put/local_rows"] == 2
+
+
+def test_a_cache_written_like_keras_hubs_takes_the_split_of_its_values(
+    reports,
+):
+    rows = full_values()["rows"]
+    written = rows.clone()
+    written[1:3] = 100 + rows[:2]
+    for rank, report in enumerate(reports):
+        assert report["seeded_cache/placements"] == ["S(1)"], rank
+        assert report["seeded_cache/values"] == rows.tolist(), rank
+        assert report["seeded_cache/collectives"] == 0, rank
+        assert report["token_write/placements"] == ["S(1)"], rank
+        assert report["token_write/values"] == written.tolist(), rank
+        assert report["token_write/collectives"] == 0, rank
 
 
 def test_extreme_reductions_equal_plain_torch(reports):

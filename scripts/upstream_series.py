@@ -142,6 +142,7 @@ MODULE_PATCHES = (
         "torch: layers proven local to a batch shard run on local tensors",
         [
             T + "batch_local.py",
+            T + "inference_local_calls.py",
             T + "local_call_checks.py",
             T + "local_call_state.py",
             T + "local_calls.py",

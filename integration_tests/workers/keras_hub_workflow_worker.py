@@ -293,7 +293,23 @@ def generate(task, stop_token=None):
     )
     stopped = task.generate(two, stop_token_ids=[stop_token])
     record_generated("generate/stopped", stopped)
+    if keras.distribution.distribution() is not None:
+        record("generate/local_layers", local_layers(task))
     return stop_token
+
+
+def local_layers(task):
+    """The classes of the layers that `generate()` ran on local shards
+    without a batch-local plan (`inference_local_calls`)."""
+    from keras.src.backend.torch import inference_local_calls
+
+    return sorted(
+        {
+            type(layer).__name__
+            for layer in task._flatten_layers()
+            if inference_local_calls.runs_locally(layer)
+        }
+    )
 
 
 def save_and_reload(task, model, run_dir):

@@ -47,7 +47,7 @@ def split_inputs(mesh, full):
         "split_columns": distribute_tensor(rows, mesh, [Shard(1)]),
         "zeros": [
             distribute_tensor(torch.zeros(4, 8), mesh, [Replicate()])
-            for _ in range(2)
+            for _ in range(3)
         ],
         "row_target": distribute_tensor(rows.clone(), mesh, [Shard(0)]),
         "values": distribute_tensor(
@@ -72,6 +72,35 @@ def in_place_writes(split):
     record("index_put/local_rows", target.to_local().shape[0])
     target.index_put_(split["index"], split["values"], accumulate=True)
     record_whole("index_put_accumulate", target)
+    cache_writes(split)
+
+
+def cache_writes(split):
+    """Keras's `slice_update` into a replicated cache, as keras-hub seeds
+    its KV cache (a clone, then a slice assignment of a column-split
+    value), then as it writes each token (a clone, then `index_put_` of
+    the flattened column-split value at replicated indices): the clone
+    takes the value's split, and neither write issues a collective."""
+    group = split["split_columns"].device_mesh.get_group(0)
+    before = torch_runtime.sequence_number(group)
+    cache = torch.clone(split["zeros"][2])
+    cache[0:4, 0:8] = split["split_columns"]
+    record(
+        "seeded_cache/collectives",
+        torch_runtime.sequence_number(group) - before,
+    )
+    record_whole("seeded_cache", cache)
+    before = torch_runtime.sequence_number(group)
+    cache = cache.clone()
+    rows, columns = torch.meshgrid(
+        torch.arange(2) + 1, torch.arange(8), indexing="ij"
+    )
+    update = 100 + split["split_columns"][:2]
+    cache.index_put_((rows.flatten(), columns.flatten()), update.flatten())
+    record(
+        "token_write/collectives", torch_runtime.sequence_number(group) - before
+    )
+    record_whole("token_write", cache)
 
 
 def extreme_reductions(split):

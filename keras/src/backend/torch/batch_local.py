@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard
 
 from keras.src.backend.common import global_state
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import inference_local_calls
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
@@ -118,9 +119,14 @@ def _call_layer(layer, upstream_call, args, kwargs):
         # A sublayer takes `training` from its caller's call context.
         training = call_context_training()
         signature = _signature((args, kwargs, training), leaves)
-        placements = _batch_placements(leaves, mode.mesh)
     except _NotLocal:
         return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
+    try:
+        placements = _batch_placements(leaves, mode.mesh)
+    except _NotLocal:
+        return _not_batch_local(
+            layer, upstream_call, args, kwargs, mode, signature, leaves
+        )
     plans = local_call_state.caches().plans.setdefault(layer, {})
     if signature not in plans:
         outputs, plans[signature] = local_call_checks.check_first_call(
@@ -131,8 +137,27 @@ def _call_layer(layer, upstream_call, args, kwargs):
     if plan is not None and plan.recomputes(layer):
         return upstream_call(layer, *args, **kwargs)
     if plan is None:
-        return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
+        return _not_batch_local(
+            layer, upstream_call, args, kwargs, mode, signature, leaves
+        )
     return local_calls.call_locally(layer, upstream_call, args, kwargs, plan)
+
+
+def _not_batch_local(
+    layer, upstream_call, args, kwargs, mode, signature, leaves
+):
+    """A call that is not batch-local: without gradients, local where it
+    reproduces its DTensor call (`inference_local_calls`); else on
+    DTensors."""
+
+    def on_dtensors():
+        return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
+
+    if not inference_local_calls.applies(leaves, mode.mesh):
+        return on_dtensors()
+    return inference_local_calls.call_layer(
+        layer, upstream_call, args, kwargs, signature, on_dtensors
+    )
 
 
 def _call_on_dtensors(layer, upstream_call, args, kwargs, mode):

@@ -223,11 +223,17 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         super().__init__()
         self.mesh = mesh
         self.replicated = [Replicate()] * mesh.ndim
+        # The DTensor the last torch call cloned (`in_place_writes`), and
+        # in a handler, the one the call before it cloned: a clone that
+        # nothing has read yet, which its first write may lay out.
+        self.fresh_clone = None
+        self.just_cloned = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # This runs for every torch call of a step: membership and type
         # tests, which make no Python calls, keep the common path cheap.
         kwargs = kwargs or {}
+        self.just_cloned, self.fresh_clone = self.fresh_clone, None
         if func in _HANDLERS:
             value = _HANDLERS[func](self, func, args, kwargs)
         else:

@@ -17,19 +17,37 @@ keeps its layout and is never gathered:
   they index (a batch-split prompt the sampler writes into): each process
   writes the elements it owns into its shard, at local indices, where
   DTensor's rule would gather the target.
+  Where each process holds, of values split along one mesh axis,
+  exactly the elements it owns, in order (the flattened keys of one
+  token, split by heads, written into a head-split cache), it writes its
+  own values and nothing is gathered (`_held_as_owned`).
 - Any other `index_put_`: on every mesh axis where the target is
   replicated, the indices and values are replicated too (the layout
   DTensor's rule needs there); on the other axes DTensor decides.
+- A fresh clone takes the split of what is first written into it: a
+  slice assignment into the result of the torch call just before, a
+  `clone` of a replicated DTensor, lays the clone out split along each
+  dimension that the value is split along, whole, on a mesh axis where
+  the clone is replicated (`_split_like_value`: its local chunk, nothing
+  moved), instead of gathering the value. Keras's `slice_update` writes
+  so, and keras-hub's cache is seeded so from the prompt's keys and
+  values: the KV cache made replicated (`ops.zeros`) becomes split by
+  heads (or by the batch) at its first write, and every later token's
+  write is local.
 
-What is written is usually small (one token's keys and values), so its
-redistribution costs a small all-gather. The handlers run in the step's
-torch function mode (`created_tensors`), on every process alike.
+What is written is usually small (one token's keys and values), so where
+it is gathered it costs a small all-gather. The handlers run in the
+step's torch function mode (`created_tensors`), on every process alike:
+each decision reads only placements, shapes and replicated values.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
+from keras.src.backend.torch import local_call_checks
+from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.torch_internals import (
     compute_local_shape_and_global_offset,
 )
@@ -80,6 +98,8 @@ def _set_item(mode, func, args, kwargs):
     if not (isinstance(target, DTensor) and isinstance(value, DTensor)):
         return func(*args, **kwargs)
     if _is_basic_index(index):
+        if mode.just_cloned is target:
+            _split_like_value(target, index, value)
         view = target[index]
         if isinstance(view, DTensor) and not any(
             p.is_partial() for p in view.placements
@@ -96,6 +116,85 @@ def _is_basic_index(index):
         item is None or item is Ellipsis or isinstance(item, (int, slice))
         for item in items
     )
+
+
+def _clone(mode, func, args, kwargs):
+    """`clone`, its DTensor result noted as fresh for the next torch
+    call (`mode.just_cloned`, read by `_set_item`)."""
+    value = func(*args, **kwargs)
+    if (
+        type(value) is DTensor
+        and not value.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
+        mode.fresh_clone = value
+    return value
+
+
+def _split_like_value(target, index, value):
+    """Lays `target`, a fresh clone, out split where `value`, written at
+    `index` (basic), is split and `target` replicated: along the
+    target's dimension that the value's split dimension fills whole (on
+    a mesh axis of one process too, where it moves nothing and spares
+    the operators that meet both a relayout). The clone's local tensor
+    becomes its chunk, in place (nothing else has read the clone yet).
+    """
+    target_dims = _target_dims(index, target.ndim)
+    if target_dims is None:
+        return
+    mesh = target.device_mesh
+    offset = len(target_dims) - value.ndim
+    placements = list(target.placements)
+    split = {p.dim for p in placements if p.is_shard()}
+    for axis, (mine, theirs) in enumerate(
+        zip(target.placements, value.placements)
+    ):
+        if (
+            not mine.is_replicate()
+            or type(theirs) is not Shard
+            or theirs.dim + offset < 0
+        ):
+            continue
+        dim = target_dims[theirs.dim + offset]
+        if (
+            dim is None
+            or dim in split
+            or target.shape[dim] != value.shape[theirs.dim]
+        ):
+            continue
+        placements[axis] = Shard(dim)
+        split.add(dim)
+    if placements != list(target.placements):
+        torch_internals.take_layout(
+            target, target.redistribute(mesh, placements)
+        )
+        # A relayout in place that a call on local tensors would not make.
+        local_call_checks.note_effect()
+
+
+def _target_dims(index, ndim):
+    """Per dimension of `target[index]` (a basic index), the target's
+    dimension it views (None where `None` adds one); None for an index
+    with a bool or more than one Ellipsis."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(item, bool) for item in items):
+        return None
+    if sum(item is Ellipsis for item in items) > 1:
+        return None
+    consumed = sum(isinstance(item, (int, slice)) for item in items)
+    dims, dim = [], 0
+    for item in items:
+        if item is None:
+            dims.append(None)
+        elif item is Ellipsis:
+            dims.extend(range(dim, dim + ndim - consumed))
+            dim += ndim - consumed
+        elif isinstance(item, slice):
+            dims.append(dim)
+            dim += 1
+        else:
+            dim += 1
+    return dims + list(range(dim, ndim))
 
 
 def _replicated_where(target, value):
@@ -159,6 +258,8 @@ def _put_owned_elements(target, indices, values, accumulate):
     process that owns it, so the result is exact, with and without
     `accumulate`; the target keeps its layout and is never gathered.
     """
+    # Written at local indices: a call on local tensors would not.
+    local_call_checks.note_effect()
     local = target.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
@@ -166,10 +267,12 @@ def _put_owned_elements(target, indices, values, accumulate):
     indices = torch.broadcast_tensors(
         *(_whole(index).to(torch.long) for index in indices)
     )
-    values = _whole(values).to(local.dtype)
-    values = values.broadcast_to(
-        (*indices[0].shape, *target.shape[len(indices) :])
-    )
+    owned_values = _held_as_owned(target, indices, values)
+    if owned_values is None:
+        values = _whole(values).to(local.dtype)
+        values = values.broadcast_to(
+            (*indices[0].shape, *target.shape[len(indices) :])
+        )
     owned = torch.ones(indices[0].shape, dtype=torch.bool, device=local.device)
     local_indices = []
     for dim, index in enumerate(indices):
@@ -177,24 +280,75 @@ def _put_owned_elements(target, indices, values, accumulate):
         start, size = offset[dim], local_shape[dim]
         owned &= (index >= start) & (index < start + size)
         local_indices.append(index - start)
+    if owned_values is None:
+        owned_values = values[owned]
     local.index_put_(
         tuple(index[owned] for index in local_indices),
-        values[owned],
+        owned_values.to(local.dtype),
         accumulate=accumulate,
     )
     return target
 
 
+def _held_as_owned(target, indices, values):
+    """This process's values, flattened, where on every process they are
+    exactly the values of the elements it owns, in order; else None.
+
+    Only for values split along one mesh axis of more than one process
+    (a `Shard` or `StridedShard`), where the target is split along an
+    indexed dimension, replicated with it on every other such axis, and
+    one index per value (no broadcasting). Every process computes the
+    answer for every coordinate on that axis, from the placements and
+    the (replicated) indices: all take the same path.
+    """
+    if not isinstance(values, DTensor) or len(indices) != target.ndim:
+        return None
+    if tuple(values.shape) != tuple(indices[0].shape):
+        return None
+    mesh = target.device_mesh
+    axes = [a for a in range(mesh.ndim) if mesh.size(a) > 1]
+    split = [a for a in axes if not values.placements[a].is_replicate()]
+    if len(split) != 1 or any(
+        not target.placements[a].is_replicate() for a in axes if a != split[0]
+    ):
+        return None
+    (axis,) = split
+    mine, theirs = target.placements[axis], values.placements[axis]
+    if type(mine) is not Shard or type(theirs) not in (
+        Shard,
+        torch_internals.StridedShard,
+    ):
+        return None
+    size, count = target.shape[mine.dim], mesh.size(axis)
+    positions = torch.arange(values.numel()).view(values.shape)
+    held = torch_internals.placement_chunks(theirs, positions, count)
+    bounds = torch_internals.placement_chunks(
+        Shard(0), torch.arange(size), count
+    )
+    index = (indices[mine.dim] % size).reshape(-1).cpu()
+    for chunk, rows in zip(held, bounds):
+        start, stop = (rows[0], rows[-1] + 1) if len(rows) else (0, 0)
+        owned = torch.nonzero((index >= start) & (index < stop)).flatten()
+        if not torch.equal(owned, chunk.reshape(-1)):
+            return None
+    return torch_internals.local_tensor(values).reshape(-1)
+
+
 def _whole(value):
-    """The whole value of `value` as a plain tensor (gathered if split)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
+    """The whole value of `value` as a plain tensor (gathered if split;
+    a replicated one's local tensor, without a dispatch)."""
+    if not isinstance(value, DTensor):
+        return value
+    if all(p.is_replicate() for p in value.placements):
+        return torch_internals.local_tensor(value)
+    return value.full_tensor()
 
 
 # Torch function -> handler(mode, func, args, kwargs), for
 # `created_tensors`'s table.
 HANDLERS = {
+    torch.clone: _clone,
+    torch.Tensor.clone: _clone,
     torch.Tensor.copy_: _copy,
     torch.Tensor.__setitem__: _set_item,
     torch.Tensor.index_put_: _index_put,

@@ -112,12 +112,12 @@ class _BeforeCall:
         self.sequence = _sequence_numbers(self.groups)
         # A random draw moves a default generator's state, or is seen by
         # the step's torch function mode.
-        self.generators = _generator_states()
+        self.generators = generator_states()
         self.draws = created_tensors.draw_count()
         self.effects = local_call_state.step_state().effects
         self.variables = _variable_versions(layer, placements)
-        self.losses = _loss_count(layer)
-        self.holds_dtensors = _holds_dtensor_attributes(layer)
+        self.losses = loss_count(layer)
+        self.holds_dtensors = holds_dtensor_attributes(layer)
 
     def unchanged(self, layer, gathers):
         """Whether the call communicated, drew, assigned or relaid nothing.
@@ -144,8 +144,8 @@ class _BeforeCall:
             and _same_versions(
                 _variable_versions(layer, self.placements), self.variables
             )
-            and _loss_count(layer) == self.losses
-            and _same_states(_generator_states(), self.generators)
+            and loss_count(layer) == self.losses
+            and same_states(generator_states(), self.generators)
         )
 
 
@@ -172,7 +172,7 @@ def _variable_versions(layer, placements):
     return versions
 
 
-def _holds_dtensor_attributes(owner):
+def holds_dtensor_attributes(owner):
     """Whether a layer (or a loss), or one of its sublayers, holds a
     DTensor as an attribute of its own (not a variable's value).
 
@@ -300,7 +300,7 @@ def _same_versions(first, second):
     )
 
 
-def _loss_count(layer):
+def loss_count(layer):
     """The number of losses added by the layer and its sublayers' calls."""
     return sum(
         len(sub._losses)
@@ -348,7 +348,7 @@ def _remat_keeps_dtensors(layer, sub):
     return sub is not layer or mode.mode != "full"
 
 
-def _generator_states():
+def generator_states():
     """The states of the default random generators (CPU, current CUDA)."""
     states = [torch.default_generator.get_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -356,7 +356,7 @@ def _generator_states():
     return states
 
 
-def _same_states(first, second):
+def same_states(first, second):
     return len(first) == len(second) and all(
         torch.equal(a, b) for a, b in zip(first, second)
     )
@@ -430,11 +430,11 @@ def _output_specs(outputs, placements, mesh):
             and batch_layout(leaf.placements, mesh) != placements
         ):
             return None
-        specs.append(_output_spec(leaf, mesh))
+        specs.append(output_spec(leaf, mesh))
     return tuple(specs) if specs else None
 
 
-def _output_spec(leaf, mesh):
+def output_spec(leaf, mesh):
     """A DTensor output's local shape, spec and gradient placements."""
     spec = DTensorSpec(
         mesh,

@@ -38,6 +38,8 @@ class StepState(threading.local):
             reads the variable unsharded (`local_call_checks`).
         effects: the number of effects counted so far
             (`local_call_checks.note_effect`).
+        verdicts: the number of verdicts agreed on so far, one
+            all-reduce each (`inference_local_calls`).
     """
 
     def __init__(self):
@@ -45,6 +47,7 @@ class StepState(threading.local):
         self.accumulating_steps = 0
         self.unsharded = {}
         self.effects = 0
+        self.verdicts = 0
 
 
 # One object; `threading.local` gives each thread its own attributes.

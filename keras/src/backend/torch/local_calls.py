@@ -94,12 +94,12 @@ def call_locally(layer, upstream_call, args, kwargs, plan):
     specs = iter(plan.outputs)
 
     def to_dtensor(local):
-        return _as_dtensor(layer, local, next(specs), computed)
+        return as_dtensor(layer, local, next(specs), computed)
 
     return map_tensors(outputs, to_dtensor)
 
 
-def _as_dtensor(layer, local, output_spec, computed):
+def as_dtensor(layer, local, output_spec, computed):
     """A local output as the DTensor the first call returned, noting in
     `computed` the local tensor it holds."""
     local_shape, spec, gradient_placements = output_spec

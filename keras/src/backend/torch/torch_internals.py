@@ -56,6 +56,21 @@ def make_dtensor(local, spec, requires_grad=False):
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
 
+def take_layout(value, other):
+    """Gives the DTensor `value`, in place, the local tensor and spec of
+    `other`: the same global tensor (shape, stride, dtype, values) laid
+    out otherwise. The caller guarantees that nothing else reads
+    `value`'s local tensor (a clone made by the call just before)."""
+    value._local_tensor = other._local_tensor
+    value._spec = other._spec
+
+
+def placement_chunks(placement, tensor, num_chunks):
+    """The local tensors of `tensor` split by `placement` (a `Shard` or
+    `StridedShard`) over `num_chunks` processes, by mesh coordinate."""
+    return placement._split_tensor(tensor, num_chunks, with_padding=False)[0]
+
+
 def op_dispatcher():
     """DTensor's op dispatcher (one per process)."""
     return DTensor._op_dispatcher
