@@ -96,16 +96,48 @@ def _embedding(mode, func, args, kwargs):
     return reduce_lookup_result(_local_lookup(*args, axis))
 
 
+# `embedding`'s options, with the values that leave a lookup plain (eager
+# calls pass every option to the mode; a compiled call only those given).
+_PLAIN_OPTIONS = (
+    ("padding_idx", None),
+    ("max_norm", None),
+    ("norm_type", 2.0),
+    ("scale_grad_by_freq", False),
+    ("sparse", False),
+)
+
+
+def _plain(args, kwargs):
+    """Whether `embedding`'s options in `args` and `kwargs` are plain."""
+    names = [name for name, _ in _PLAIN_OPTIONS]
+    options = {**dict(zip(names, args)), **kwargs}
+    return (
+        len(args) <= len(names)
+        and all(
+            options.get(name, plain) == plain for name, plain in _PLAIN_OPTIONS
+        )
+        and set(options) <= set(names)
+    )
+
+
 def _row_axis(indices, table, *args, **kwargs):
     """The mesh axis that alone splits `table`'s rows, or `None` where
     the lookup goes to DTensor: a table not split along its rows, or split
-    along its columns or on several axes, plain indices, or options of
-    `embedding` (`padding_idx`, `max_norm`...)."""
-    if args or kwargs or not isinstance(indices, DTensor):
+    along its columns or on several axes (of more than one process),
+    plain indices, or options of `embedding` (`padding_idx`,
+    `max_norm`...)."""
+    if not _plain(args, kwargs) or not isinstance(indices, DTensor):
         return None
     if not isinstance(table, DTensor):
         return None
-    axes = [i for i, p in enumerate(table.placements) if not p.is_replicate()]
+    # A mesh axis of one process splits nothing (keras-hub's maps split the
+    # table's columns over "batch", of size 1 on a (1, N) mesh).
+    mesh = table.device_mesh
+    axes = [
+        i
+        for i, p in enumerate(table.placements)
+        if not p.is_replicate() and mesh.size(i) > 1
+    ]
     if len(axes) != 1:
         return None
     placement = table.placements[axes[0]]
