@@ -56,6 +56,7 @@ import traceback
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras_hub  # noqa: E402
+import measure  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -110,7 +111,15 @@ PRESETS = {
 BACKBONES = {
     "gemma": keras_hub.models.GemmaBackbone,
     "llama": keras_hub.models.LlamaBackbone,
+    "qwen": keras_hub.models.QwenBackbone,
+    "qwen_moe": keras_hub.models.QwenMoeBackbone,
+    "qwen3_moe": keras_hub.models.Qwen3MoeBackbone,
 }
+# The mixtures of experts: 4 experts, 2 per token, each a quarter of the
+# preset's intermediate size (keras-hub computes every expert for every
+# token, so their feed-forward costs what the dense models' does), and
+# Qwen-MoE's shared expert half of it.
+MIXTURES = ("qwen_moe", "qwen3_moe")
 SDPA_BACKENDS = {
     "math": "MATH",
     "efficient": "EFFICIENT_ATTENTION",
@@ -137,6 +146,12 @@ def parse_args(argv=None):
         "--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)."
     )
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Runs of each mode, in turn (step time: their median).",
+    )
     parser.add_argument(
         "--jit-compile",
         action="store_true",
@@ -206,7 +221,7 @@ def build_model(name, preset, lora_rank=0, compiled=True, jit_compile=False):
     LoRA adapters of `lora_rank` where it is not 0."""
     config = PRESETS[preset]
     keras.utils.set_random_seed(SEED)
-    extra = config.get(name, {})
+    extra = model_config(name, config)
     backbone = BACKBONES[name](**config["backbone"], **extra)
     if lora_rank:
         backbone.enable_lora(rank=lora_rank)
@@ -215,6 +230,21 @@ def build_model(name, preset, lora_rank=0, compiled=True, jit_compile=False):
     if compiled:
         compile_model(model, jit_compile)
     return model
+
+
+def model_config(name, config):
+    """The arguments `name`'s backbone takes beyond the preset's."""
+    extra = {}
+    if name in ("gemma", "qwen3_moe"):
+        extra.update(config["gemma"])  # The head size.
+    if name in MIXTURES:
+        intermediate = config["backbone"]["intermediate_dim"]
+        extra.update(
+            num_experts=4, top_k=2, moe_intermediate_dim=intermediate // 4
+        )
+    if name == "qwen_moe":
+        extra["shared_expert_intermediate_dim"] = intermediate // 2
+    return extra
 
 
 def compile_model(model, jit_compile=False):
@@ -240,14 +270,18 @@ def profiled_step(step):
     """One call of `step` under `torch.profiler`.
 
     Returns the `scaled_dot_product` aten ops it ran, the number of its
-    events that wait for the device, and the profiler's table of the ops
-    that took the most time (device time on CUDA).
+    events that wait for the device, its collectives, the profiler's
+    table of the ops that took the most time (device time on CUDA) and,
+    on CPU, the bytes in use at the step's peak above its start (read
+    from the profiler's memory events, see `measure.cpu_peak_bytes`).
     """
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as profiler:
+    with profile(activities=activities, profile_memory=not cuda) as profiler:
         step()
+    step_peak = None if cuda else measure.cpu_peak_bytes(profiler)
     events = profiler.events()
     kernels = {
         event.name
@@ -262,7 +296,7 @@ def profiled_step(step):
         else "self_cpu_time_total"
     )
     top = profiler.key_averages().table(sort_by=sort_by, row_limit=12)
-    return sorted(kernels), syncs, collectives, top
+    return sorted(kernels), syncs, collectives, top, step_peak
 
 
 def collective_counts(events):
@@ -275,6 +309,22 @@ def collective_counts(events):
             kind = event.name[len("c10d::") :].rstrip("_")
             counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def held_bytes(model):
+    """This process's bytes of parameters and optimizer state (a
+    DTensor's local part)."""
+    variables = model.weights + model.optimizer.variables
+    return measure.storage_bytes([v.value for v in variables])
+
+
+def largest_over_ranks(value):
+    """The largest of every process's `value` (an int)."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def dtensor_layers(model):
@@ -307,7 +357,7 @@ def run_steps(model, label, args, batches):
             torch.cuda.reset_peak_memory_stats()
         if index == len(batches) - 1:
             # The last step runs under the profiler, untimed.
-            kernels, syncs, collectives, top = profiled_step(
+            kernels, syncs, collectives, top, step_peak = profiled_step(
                 lambda: losses.append(step())
             )
             say(f"--- {label}: {syncs} device waits; top ops:\n{top}")
@@ -320,11 +370,15 @@ def run_steps(model, label, args, batches):
     if torch.cuda.is_available():
         synchronize()
         peak = torch.cuda.max_memory_allocated()
+    else:
+        # What the process holds across steps, plus the step's own peak.
+        peak = held_bytes(model) + step_peak
     return {
         "losses": [float(loss) for loss in losses],
         "weights": model.get_weights(),
         "step_ms": 1000.0 * statistics.median(times) if times else None,
-        "peak_bytes": peak,
+        "peak_bytes": largest_over_ranks(peak),
+        "held_bytes": largest_over_ranks(held_bytes(model)),
         "kernels": kernels,
         "device_waits": syncs,
         "collectives": collectives,
@@ -398,23 +452,48 @@ def sdpa_scope(choice):
 
 
 def run_model(name, args, batches):
-    """The run without a distribution, then each mode; a row per run."""
-    rows = []
-    reference = train(name, "none", args, batches)
-    rows.append({"model": name, "mode": "none", **reference})
-    for mode in args.modes.split(","):
-        row = {"model": name, "mode": mode}
-        try:
-            row.update(train(name, mode, args, batches))
+    """The run without a distribution, then each mode, `--repeats` times
+    in turn; a row per mode (see `merge_runs`)."""
+    modes = ["none"] + args.modes.split(",")
+    runs = [[] for _ in modes]
+    for _ in range(args.repeats):
+        for index, mode in enumerate(modes):
+            runs[index].append(try_train(name, mode, args, batches))
+    reference = merge_runs(runs[0])
+    rows = [{"model": name, "mode": "none", **reference}]
+    for mode, results in zip(modes[1:], runs[1:]):
+        row = {"model": name, "mode": mode, **merge_runs(results)}
+        if "error" not in row:
             compare(row, reference)
-        except Exception as error:  # noqa: BLE001 - reported in the table
-            keras.distribution.set_distribution(None)
-            lines = str(error).strip().splitlines() or [""]
-            row["error"] = f"{type(error).__name__}: {lines[0][:300]}"
-            if rank() == 0:
-                traceback.print_exc()
         rows.append(row)
     return rows
+
+
+def try_train(name, mode, args, batches):
+    """`train`'s result, or `{"error": ...}` when it raised."""
+    try:
+        return train(name, mode, args, batches)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        keras.distribution.set_distribution(None)
+        lines = str(error).strip().splitlines() or [""]
+        if rank() == 0:
+            traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {lines[0][:300]}"}
+
+
+def merge_runs(results):
+    """The repeats of one mode as one row: the last run's measurements,
+    with the median of the runs' step times (each run's own, `step_ms`
+    of every run under `step_ms_runs`)."""
+    for result in results:
+        if "error" in result:
+            return result
+    row = dict(results[-1])
+    times = [result["step_ms"] for result in results]
+    if None not in times:
+        row["step_ms"] = statistics.median(times)
+        row["step_ms_runs"] = times
+    return row
 
 
 def _cell(value, form):
@@ -425,18 +504,18 @@ def table(rows):
     """The report's Markdown table."""
     lines = [
         "| model | mode | loss rel. diff | weight abs. diff | step ms "
-        "| × none | peak GiB | × none | device waits | collectives "
-        "| attention kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × none | peak MiB | × none | held MiB | device waits "
+        "| collectives | attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(
                 f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
-                "| | | | | | | | |"
+                "| | | | | | | | | |"
             )
             continue
-        peak = row.get("peak_bytes")
+        peak, held = row.get("peak_bytes"), row.get("held_bytes")
         kernels = ", ".join(
             k.replace("aten::", "") for k in row.get("kernels") or []
         )
@@ -444,15 +523,25 @@ def table(rows):
             f"| {row['model']} | {row['mode']} "
             f"| {_cell(row.get('loss_rel_diff'), '.1e')} "
             f"| {_cell(row.get('weight_abs_diff'), '.1e')} "
-            f"| {_cell(row.get('step_ms'), '.1f')} "
+            f"| {_step_cell(row)} "
             f"| {_cell(row.get('time_ratio'), '.2f')} "
-            f"| {_cell(peak / 2**30 if peak else None, '.2f')} "
+            f"| {_cell(peak / 2**20 if peak else None, '.1f')} "
             f"| {_cell(row.get('memory_ratio'), '.2f')} "
+            f"| {_cell(held / 2**20 if held else None, '.1f')} "
             f"| {_cell(row.get('device_waits'), 'd')} "
             f"| {_collectives_cell(row.get('collectives'))} "
             f"| {kernels or '-'} |"
         )
     return "\n".join(lines)
+
+
+def _step_cell(row):
+    """The median step time, and the range of the runs' when repeated."""
+    runs = row.get("step_ms_runs") or []
+    median = _cell(row.get("step_ms"), ".1f")
+    if len(runs) < 2:
+        return median
+    return f"{median} ({min(runs):.1f}–{max(runs):.1f})"
 
 
 def _collectives_cell(counts):
@@ -473,6 +562,7 @@ def header(args):
         f"{args.preset}, {args.precision}, SDPA {args.sdpa}, "
         f"{f'LoRA rank {args.lora}' if args.lora else 'full fine-tune'}, "
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled"
+        f"{f', {args.repeats} runs of each mode in turn' * (args.repeats > 1)}"
         f"{', jit_compile=True' if args.jit_compile else ''}"
     )
 

@@ -35,7 +35,6 @@ import run  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import workloads  # noqa: E402
-from torch._C._profiler import _EventType  # noqa: E402
 from torch.profiler import ProfilerActivity  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
@@ -43,34 +42,13 @@ import keras  # noqa: E402
 
 
 def cpu_step_peak_bytes(step):
-    """Bytes in use at the step's peak, above its start, on the CPU.
-
-    Every allocation the profiler records carries the CPU allocator's
-    total in use right after it, for the whole process (allocations of
-    other threads, gloo's included, count too).
-    """
+    """Bytes in use at the step's peak, above its start, on the CPU (see
+    `measure.cpu_peak_bytes`)."""
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True
     ) as profiler:
         step()
-    allocations = []
-    events = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while events:
-        event = events.pop()
-        events.extend(event.children)
-        if event.tag != _EventType.Allocation:
-            continue
-        fields = event.extra_fields
-        if fields.device.type == "cpu":
-            allocations.append(
-                (event.start_time_ns, fields.alloc_size, fields.total_allocated)
-            )
-    if not allocations:
-        return 0
-    allocations.sort()
-    _, first_size, first_total = allocations[0]
-    start = first_total - first_size
-    return max(total for _, _, total in allocations) - start
+    return measure.cpu_peak_bytes(profiler)
 
 
 def step_peak_bytes(step):
