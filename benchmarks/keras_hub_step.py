@@ -271,16 +271,18 @@ def profiled_step(step):
 
     Returns the `scaled_dot_product` aten ops it ran, the number of its
     events that wait for the device, its collectives, the profiler's
-    table of the ops that took the most time (device time on CUDA) and,
-    on CPU, the bytes in use at the step's peak above its start (read
-    from the profiler's memory events, see `measure.cpu_peak_bytes`).
+    table of the ops that took the most time (device time on CUDA), on
+    CPU the bytes in use at the step's peak above its start (read from
+    the profiler's memory events, see `measure.cpu_peak_bytes`), and the
+    Python calls it made (`cProfile`'s count: host overhead that, unlike
+    a time, a busy machine does not change).
     """
     activities = [ProfilerActivity.CPU]
     cuda = torch.cuda.is_available()
     if cuda:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=not cuda) as profiler:
-        step()
+        calls = measure.profile_stats(step).total_calls
     step_peak = None if cuda else measure.cpu_peak_bytes(profiler)
     events = profiler.events()
     kernels = {
@@ -296,7 +298,7 @@ def profiled_step(step):
         else "self_cpu_time_total"
     )
     top = profiler.key_averages().table(sort_by=sort_by, row_limit=12)
-    return sorted(kernels), syncs, collectives, top, step_peak
+    return sorted(kernels), syncs, collectives, top, step_peak, calls
 
 
 def collective_counts(events):
@@ -357,7 +359,7 @@ def run_steps(model, label, args, batches):
             torch.cuda.reset_peak_memory_stats()
         if index == len(batches) - 1:
             # The last step runs under the profiler, untimed.
-            kernels, syncs, collectives, top, step_peak = profiled_step(
+            kernels, syncs, collectives, top, step_peak, calls = profiled_step(
                 lambda: losses.append(step())
             )
             say(f"--- {label}: {syncs} device waits; top ops:\n{top}")
@@ -381,6 +383,7 @@ def run_steps(model, label, args, batches):
         "held_bytes": largest_over_ranks(held_bytes(model)),
         "kernels": kernels,
         "device_waits": syncs,
+        "python_calls": largest_over_ranks(calls),
         "collectives": collectives,
     }
 
@@ -483,16 +486,18 @@ def try_train(name, mode, args, batches):
 
 def merge_runs(results):
     """The repeats of one mode as one row: the last run's measurements,
-    with the median of the runs' step times (each run's own, `step_ms`
-    of every run under `step_ms_runs`)."""
+    with the median of the runs' step times and peaks (every run's under
+    `step_ms_runs` and `peak_bytes_runs`; a CPU peak moves with gloo's
+    threads' allocations)."""
     for result in results:
         if "error" in result:
             return result
     row = dict(results[-1])
-    times = [result["step_ms"] for result in results]
-    if None not in times:
-        row["step_ms"] = statistics.median(times)
-        row["step_ms_runs"] = times
+    for key in ("step_ms", "peak_bytes"):
+        values = [result[key] for result in results]
+        if None not in values:
+            row[key] = statistics.median(values)
+            row[f"{key}_runs"] = values
     return row
 
 
@@ -504,15 +509,15 @@ def table(rows):
     """The report's Markdown table."""
     lines = [
         "| model | mode | loss rel. diff | weight abs. diff | step ms "
-        "| × none | peak MiB | × none | held MiB | device waits "
-        "| collectives | attention kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × none | peak MiB | × none | held MiB | Python calls "
+        "| device waits | collectives | attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(
                 f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
-                "| | | | | | | | | |"
+                "| | | | | | | | | | |"
             )
             continue
         peak, held = row.get("peak_bytes"), row.get("held_bytes")
@@ -528,6 +533,7 @@ def table(rows):
             f"| {_cell(peak / 2**20 if peak else None, '.1f')} "
             f"| {_cell(row.get('memory_ratio'), '.2f')} "
             f"| {_cell(held / 2**20 if held else None, '.1f')} "
+            f"| {_cell(row.get('python_calls'), 'd')} "
             f"| {_cell(row.get('device_waits'), 'd')} "
             f"| {_collectives_cell(row.get('collectives'))} "
             f"| {kernels or '-'} |"
