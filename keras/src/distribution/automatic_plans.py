@@ -15,7 +15,8 @@ before is handled the same way:
 - its *row partner* is the next such call, on a new tensor (computed
   from the group's outputs), back to the group input's feature size;
 - the group is split on its output-only dimension (heads, or features),
-  the partner on its contracted one (`column_parallel`/`row_parallel`).
+  the partner on its contracted one (`column_parallel`/`row_parallel`;
+  the group sets no output layout: its outputs are split as computed).
   A member whose heads do not divide over the axis (grouped-query
   key/value heads) stays replicated; a group whose partner does not
   divide stays replicated whole;
