@@ -313,22 +313,6 @@ def collective_counts(events):
     return counts
 
 
-def held_bytes(model):
-    """This process's bytes of parameters and optimizer state (a
-    DTensor's local part)."""
-    variables = model.weights + model.optimizer.variables
-    return measure.storage_bytes([v.value for v in variables])
-
-
-def largest_over_ranks(value):
-    """The largest of every process's `value` (an int)."""
-    if not dist.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
-
-
 def dtensor_layers(model):
     """Names of the layers that ran on DTensors rather than locally.
 
@@ -369,21 +353,24 @@ def run_steps(model, label, args, batches):
         synchronize()
         if index >= args.warmup:
             times.append(time.perf_counter() - start)
+    # This process's parameters and optimizer state (local parts).
+    variables = model.weights + model.optimizer.variables
+    held = measure.storage_bytes([v.value for v in variables])
     if torch.cuda.is_available():
         synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
         # What the process holds across steps, plus the step's own peak.
-        peak = held_bytes(model) + step_peak
+        peak = held + step_peak
     return {
         "losses": [float(loss) for loss in losses],
         "weights": model.get_weights(),
         "step_ms": 1000.0 * statistics.median(times) if times else None,
-        "peak_bytes": largest_over_ranks(peak),
-        "held_bytes": largest_over_ranks(held_bytes(model)),
+        "peak_bytes": measure.largest_over_ranks(peak),
+        "held_bytes": measure.largest_over_ranks(held),
         "kernels": kernels,
         "device_waits": syncs,
-        "python_calls": largest_over_ranks(calls),
+        "python_calls": measure.largest_over_ranks(calls),
         "collectives": collectives,
     }
 

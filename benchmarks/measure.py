@@ -102,6 +102,17 @@ def slowest_rank(values):
     return tensor.tolist()
 
 
+def largest_over_ranks(value):
+    """The largest of every process's `value` (an int)."""
+    if not dist.is_initialized():
+        return value
+    # On the device the process group reduces on (NCCL: the GPU).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def median_ms(values):
     """Median of a list of seconds, in milliseconds."""
     return 1000.0 * statistics.median(values)

@@ -57,15 +57,6 @@ def step_peak_bytes(step):
     return cpu_step_peak_bytes(step)
 
 
-def largest_over_ranks(value):
-    """The largest of every rank's `value` (an int)."""
-    if not dist.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=cell.device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
-
-
 def measure_cell(workload, mode, config, warmup, repeats):
     """Peak bytes of Keras and native steps of a cell, `repeats` each.
 
@@ -80,7 +71,9 @@ def measure_cell(workload, mode, config, warmup, repeats):
     for _ in range(repeats):
         for name in ("keras", "native"):
             measure.barrier()
-            peaks[name].append(largest_over_ranks(step_peak_bytes(steps[name])))
+            peaks[name].append(
+                measure.largest_over_ranks(step_peak_bytes(steps[name]))
+            )
     return {
         "workload": workload,
         "mode": mode,
