@@ -83,9 +83,9 @@ cpu() {
         --modes dp,mp --steps 8 --warmup 3 --out "$OUT")
     run n2_keras_hub_mid_lora_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --lora 4 --tag n2_keras_hub_mid_lora_9708d71
-    run n2_keras_hub_mid_full_63902ad "$TORCHRUN" --nproc_per_node=2 \
+    run n2_keras_hub_mid_full_a726b81 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe \
-        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_63902ad
+        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_a726b81
     run n2_keras_hub_mid_full_gemma_6a64862 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --models gemma --modes mp,auto --repeats 5 \
         --tag n2_keras_hub_mid_full_gemma_6a64862
