@@ -47,7 +47,7 @@ GENERATING = ("Llama3Backbone",)
 NUM_LAYERS = 2
 # The worker's mixtures of experts: their feed-forward blocks are
 # expert-parallel, not a column/row pair.
-MIXTURES = ("MixtralBackbone", "QwenMoeBackbone")
+MIXTURES = ("MixtralBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone")
 QUERY_KEY_NORMS = ("Gemma3Backbone", "Qwen3Backbone")
 
 
@@ -137,7 +137,7 @@ def test_report_splits_every_block(reports, model):
     assert report == reports[1][f"{model}/report"]
     styles = [line.split(": ", 1)[1].split(",")[0] for line in report]
     # Attention's output, and the MLP's or Qwen-MoE's shared expert's.
-    per_block = 1 if model == "MixtralBackbone" else 2
+    per_block = 1 if model in MIXTURES and model != "QwenMoeBackbone" else 2
     expected_rows = NUM_LAYERS * per_block
     assert styles.count("row") == expected_rows
     assert styles.count("vocabulary") == 1
