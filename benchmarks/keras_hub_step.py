@@ -10,16 +10,14 @@ seed on the same batches. For each run it reports:
   without a distribution, and the largest absolute difference of the
   final weights;
 - the median step time (after `--warmup` steps; the device is
-  synchronized after each step), the first step's time (with
-  `--jit-compile`, it compiles) and, on CUDA, the peak memory allocated
-  during the timed steps;
+  synchronized after each step), the first (compiling) step's time and,
+  on CUDA, the peak memory allocated during the timed steps;
 - the attention kernels the step ran (the `aten` ops whose name holds
   `scaled_dot_product`, read by `torch.profiler` from the last step,
   which is not timed), that step's host reads of a value ("device
   waits": `.item()` and stream synchronizations, each of which waits for
   the GPU's queued work) and, in the log, its most expensive ops;
-- the layers that ran on DTensors rather than on local tensors
-  (`batch_local`), under the table.
+- the layers that ran on DTensors, not locally (`batch_local`).
 
 Modes: `none` (no distribution), `dp` (`DataParallel` over every
 process), `mp` (`ModelParallel` on a (1, N) ("batch", "model") mesh
@@ -38,9 +36,8 @@ CPU), `mid` (4 layers, hidden 256, 4 heads of 64, vocabulary 4096, batch
 `gemma-h1024` (6 layers, hidden 1024, 8 heads of 128, vocabulary 32000,
 batch 16 of 512 tokens: the size of the keras-hub issue's GPU table).
 `--lora RANK` trains LoRA adapters of that rank instead of every weight.
-The profiled step counts the collectives it issued, by kind.
-`--sdpa` restricts `scaled_dot_product_attention` to one kernel
-family (`math`, `efficient`, `flash`, `cudnn`) for the whole run.
+The profiled step counts its collectives, by kind. `--sdpa` restricts
+`scaled_dot_product_attention` to one kernel family for the whole run.
 """
 
 import argparse
@@ -57,6 +54,7 @@ import traceback
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras_hub  # noqa: E402
+import measure  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -111,7 +109,15 @@ PRESETS = {
 BACKBONES = {
     "gemma": keras_hub.models.GemmaBackbone,
     "llama": keras_hub.models.LlamaBackbone,
+    "qwen": keras_hub.models.QwenBackbone,
+    "qwen_moe": keras_hub.models.QwenMoeBackbone,
+    "qwen3_moe": keras_hub.models.Qwen3MoeBackbone,
 }
+# The mixtures of experts: 4 experts, 2 per token, each a quarter of the
+# preset's intermediate size (keras-hub computes every expert for every
+# token, so their feed-forward costs what the dense models' does), and
+# Qwen-MoE's shared expert half of it.
+MIXTURES = ("qwen_moe", "qwen3_moe")
 SDPA_BACKENDS = {
     "math": "MATH",
     "efficient": "EFFICIENT_ATTENTION",
@@ -138,6 +144,12 @@ def parse_args(argv=None):
         "--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)."
     )
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Runs of each mode, in turn (step time: their median).",
+    )
     parser.add_argument(
         "--jit-compile",
         action="store_true",
@@ -207,7 +219,7 @@ def build_model(name, preset, lora_rank=0, compiled=True, jit_compile=False):
     LoRA adapters of `lora_rank` where it is not 0."""
     config = PRESETS[preset]
     keras.utils.set_random_seed(SEED)
-    extra = config.get(name, {})
+    extra = model_config(name, config)
     backbone = BACKBONES[name](**config["backbone"], **extra)
     if lora_rank:
         backbone.enable_lora(rank=lora_rank)
@@ -216,6 +228,21 @@ def build_model(name, preset, lora_rank=0, compiled=True, jit_compile=False):
     if compiled:
         compile_model(model, jit_compile)
     return model
+
+
+def model_config(name, config):
+    """The arguments `name`'s backbone takes beyond the preset's."""
+    extra = {}
+    if name in ("gemma", "qwen3_moe"):
+        extra.update(config["gemma"])  # The head size.
+    if name in MIXTURES:
+        intermediate = config["backbone"]["intermediate_dim"]
+        extra.update(
+            num_experts=4, top_k=2, moe_intermediate_dim=intermediate // 4
+        )
+    if name == "qwen_moe":
+        extra["shared_expert_intermediate_dim"] = intermediate // 2
+    return extra
 
 
 def compile_model(model, jit_compile=False):
@@ -241,14 +268,20 @@ def profiled_step(step):
     """One call of `step` under `torch.profiler`.
 
     Returns the `scaled_dot_product` aten ops it ran, the number of its
-    events that wait for the device, and the profiler's table of the ops
-    that took the most time (device time on CUDA).
+    events that wait for the device, its collectives, the profiler's
+    table of the ops that took the most time (device time on CUDA), on
+    CPU the bytes in use at the step's peak above its start (read from
+    the profiler's memory events, see `measure.cpu_peak_bytes`), and the
+    Python calls it made (`cProfile`'s count: host overhead that, unlike
+    a time, a busy machine does not change).
     """
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as profiler:
-        step()
+    with profile(activities=activities, profile_memory=not cuda) as profiler:
+        calls = measure.profile_stats(step).total_calls
+    step_peak = None if cuda else measure.cpu_peak_bytes(profiler)
     events = profiler.events()
     kernels = {
         event.name
@@ -263,7 +296,7 @@ def profiled_step(step):
         else "self_cpu_time_total"
     )
     top = profiler.key_averages().table(sort_by=sort_by, row_limit=12)
-    return sorted(kernels), syncs, collectives, top
+    return sorted(kernels), syncs, collectives, top, step_peak, calls
 
 
 def collective_counts(events):
@@ -308,7 +341,7 @@ def run_steps(model, label, args, batches):
             torch.cuda.reset_peak_memory_stats()
         if index == len(batches) - 1:
             # The last step runs under the profiler, untimed.
-            kernels, syncs, collectives, top = profiled_step(
+            kernels, syncs, collectives, top, step_peak, calls = profiled_step(
                 lambda: losses.append(step())
             )
             say(f"--- {label}: {syncs} device waits; top ops:\n{top}")
@@ -316,22 +349,29 @@ def run_steps(model, label, args, batches):
         start = time.perf_counter()
         losses.append(step())
         synchronize()
-        if index == 0:
-            # With `jit_compile`, the first step compiles.
-            first = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        first = seconds if index == 0 else first
         if index >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
+    # This process's parameters and optimizer state (local parts).
+    variables = model.weights + model.optimizer.variables
+    held = measure.storage_bytes([v.value for v in variables])
     if torch.cuda.is_available():
         synchronize()
         peak = torch.cuda.max_memory_allocated()
+    else:
+        # What the process holds across steps, plus the step's own peak.
+        peak = held + step_peak
     return {
         "losses": [float(loss) for loss in losses],
         "weights": model.get_weights(),
         "step_ms": 1000.0 * statistics.median(times) if times else None,
         "first_step_s": first,
-        "peak_bytes": peak,
+        "peak_bytes": measure.largest_over_ranks(peak),
+        "held_bytes": measure.largest_over_ranks(held),
         "kernels": kernels,
         "device_waits": syncs,
+        "python_calls": measure.largest_over_ranks(calls),
         "collectives": collectives,
     }
 
@@ -403,23 +443,50 @@ def sdpa_scope(choice):
 
 
 def run_model(name, args, batches):
-    """The run without a distribution, then each mode; a row per run."""
-    rows = []
-    reference = train(name, "none", args, batches)
-    rows.append({"model": name, "mode": "none", **reference})
-    for mode in args.modes.split(","):
-        row = {"model": name, "mode": mode}
-        try:
-            row.update(train(name, mode, args, batches))
+    """The run without a distribution, then each mode, `--repeats` times
+    in turn; a row per mode (see `merge_runs`)."""
+    modes = ["none"] + args.modes.split(",")
+    runs = [[] for _ in modes]
+    for _ in range(args.repeats):
+        for index, mode in enumerate(modes):
+            runs[index].append(try_train(name, mode, args, batches))
+    reference = merge_runs(runs[0])
+    rows = [{"model": name, "mode": "none", **reference}]
+    for mode, results in zip(modes[1:], runs[1:]):
+        row = {"model": name, "mode": mode, **merge_runs(results)}
+        if "error" not in row:
             compare(row, reference)
-        except Exception as error:  # noqa: BLE001 - reported in the table
-            keras.distribution.set_distribution(None)
-            lines = str(error).strip().splitlines() or [""]
-            row["error"] = f"{type(error).__name__}: {lines[0][:300]}"
-            if rank() == 0:
-                traceback.print_exc()
         rows.append(row)
     return rows
+
+
+def try_train(name, mode, args, batches):
+    """`train`'s result, or `{"error": ...}` when it raised."""
+    try:
+        return train(name, mode, args, batches)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        keras.distribution.set_distribution(None)
+        lines = str(error).strip().splitlines() or [""]
+        if rank() == 0:
+            traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {lines[0][:300]}"}
+
+
+def merge_runs(results):
+    """The repeats of one mode as one row: the last run's measurements,
+    with the median of the runs' step times and peaks (every run's under
+    `step_ms_runs` and `peak_bytes_runs`; a CPU peak moves with gloo's
+    threads' allocations)."""
+    for result in results:
+        if "error" in result:
+            return result
+    row = dict(results[-1])
+    for key in ("step_ms", "peak_bytes"):
+        values = [result[key] for result in results]
+        if None not in values:
+            row[key] = statistics.median(values)
+            row[f"{key}_runs"] = values
+    return row
 
 
 def _cell(value, form):
@@ -430,18 +497,18 @@ def table(rows):
     """The report's Markdown table."""
     lines = [
         "| model | mode | loss rel. diff | weight abs. diff | step ms "
-        "| × none | first step s | peak GiB | × none | device waits "
-        "| collectives | attention kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × none | first step s | peak MiB | × none | held MiB "
+        "| Python calls | device waits | collectives | attention kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(
                 f"| {row['model']} | {row['mode']} | ✗ {row['error']} "
-                "| | | | | | | | | |"
+                "| | | | | | | | | | | |"
             )
             continue
-        peak = row.get("peak_bytes")
+        peak, held = row.get("peak_bytes"), row.get("held_bytes")
         kernels = ", ".join(
             k.replace("aten::", "") for k in row.get("kernels") or []
         )
@@ -449,16 +516,27 @@ def table(rows):
             f"| {row['model']} | {row['mode']} "
             f"| {_cell(row.get('loss_rel_diff'), '.1e')} "
             f"| {_cell(row.get('weight_abs_diff'), '.1e')} "
-            f"| {_cell(row.get('step_ms'), '.1f')} "
+            f"| {_step_cell(row)} "
             f"| {_cell(row.get('time_ratio'), '.2f')} "
             f"| {_cell(row.get('first_step_s'), '.1f')} "
-            f"| {_cell(peak / 2**30 if peak else None, '.2f')} "
+            f"| {_cell(peak / 2**20 if peak else None, '.1f')} "
             f"| {_cell(row.get('memory_ratio'), '.2f')} "
+            f"| {_cell(held / 2**20 if held else None, '.1f')} "
+            f"| {_cell(row.get('python_calls'), 'd')} "
             f"| {_cell(row.get('device_waits'), 'd')} "
             f"| {_collectives_cell(row.get('collectives'))} "
             f"| {kernels or '-'} |"
         )
     return "\n".join(lines)
+
+
+def _step_cell(row):
+    """The median step time, and the range of the runs' when repeated."""
+    runs = row.get("step_ms_runs") or []
+    median = _cell(row.get("step_ms"), ".1f")
+    if len(runs) < 2:
+        return median
+    return f"{median} ({min(runs):.1f}–{max(runs):.1f})"
 
 
 def _collectives_cell(counts):
@@ -479,6 +557,7 @@ def header(args):
         f"{args.preset}, {args.precision}, SDPA {args.sdpa}, "
         f"{f'LoRA rank {args.lora}' if args.lora else 'full fine-tune'}, "
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled"
+        f"{f', {args.repeats} runs of each mode in turn' * (args.repeats > 1)}"
         f"{', jit_compile=True' if args.jit_compile else ''}"
     )
 

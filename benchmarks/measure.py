@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -31,6 +32,35 @@ def cuda_step_peak_bytes(step):
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - start
+
+
+def cpu_peak_bytes(profiler):
+    """Bytes in use at the peak of a profiled region, above its start, on
+    the CPU.
+
+    `profiler` ran with `profile_memory=True`. Every allocation it
+    recorded carries the CPU allocator's total in use right after it, for
+    the whole process (allocations of other threads, gloo's included,
+    count too).
+    """
+    allocations = []
+    events = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag != _EventType.Allocation:
+            continue
+        fields = event.extra_fields
+        if fields.device.type == "cpu":
+            allocations.append(
+                (event.start_time_ns, fields.alloc_size, fields.total_allocated)
+            )
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_size, first_total = allocations[0]
+    start = first_total - first_size
+    return max(total for _, _, total in allocations) - start
 
 
 def barrier():
@@ -70,6 +100,17 @@ def slowest_rank(values):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def largest_over_ranks(value):
+    """The largest of every process's `value` (an int)."""
+    if not dist.is_initialized():
+        return value
+    # On the device the process group reduces on (NCCL: the GPU).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def median_ms(values):

@@ -35,7 +35,6 @@ import run  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import workloads  # noqa: E402
-from torch._C._profiler import _EventType  # noqa: E402
 from torch.profiler import ProfilerActivity  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
@@ -43,49 +42,19 @@ import keras  # noqa: E402
 
 
 def cpu_step_peak_bytes(step):
-    """Bytes in use at the step's peak, above its start, on the CPU.
-
-    Every allocation the profiler records carries the CPU allocator's
-    total in use right after it, for the whole process (allocations of
-    other threads, gloo's included, count too).
-    """
+    """Bytes in use at the step's peak, above its start, on the CPU (see
+    `measure.cpu_peak_bytes`)."""
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True
     ) as profiler:
         step()
-    allocations = []
-    events = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while events:
-        event = events.pop()
-        events.extend(event.children)
-        if event.tag != _EventType.Allocation:
-            continue
-        fields = event.extra_fields
-        if fields.device.type == "cpu":
-            allocations.append(
-                (event.start_time_ns, fields.alloc_size, fields.total_allocated)
-            )
-    if not allocations:
-        return 0
-    allocations.sort()
-    _, first_size, first_total = allocations[0]
-    start = first_total - first_size
-    return max(total for _, _, total in allocations) - start
+    return measure.cpu_peak_bytes(profiler)
 
 
 def step_peak_bytes(step):
     if torch.cuda.is_available():
         return measure.cuda_step_peak_bytes(step)
     return cpu_step_peak_bytes(step)
-
-
-def largest_over_ranks(value):
-    """The largest of every rank's `value` (an int)."""
-    if not dist.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=cell.device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
 
 
 def measure_cell(workload, mode, config, warmup, repeats):
@@ -102,7 +71,9 @@ def measure_cell(workload, mode, config, warmup, repeats):
     for _ in range(repeats):
         for name in ("keras", "native"):
             measure.barrier()
-            peaks[name].append(largest_over_ranks(step_peak_bytes(steps[name])))
+            peaks[name].append(
+                measure.largest_over_ranks(step_peak_bytes(steps[name]))
+            )
     return {
         "workload": workload,
         "mode": mode,

@@ -79,13 +79,18 @@ cpu() {
         benchmarks/remat.py --modes single,dp,tp,fsdp --hidden 512 \
         --seq 128 --batch 16 --steps 10 --out "$OUT" \
         --tag n2_remat_hidden512
-    # keras-hub's Gemma and Llama under their own maps (mid preset).
+    # keras-hub's Gemma and Llama (full: and the Qwen models) under their
+    # own maps and the automatic plan (mid preset).
     local hub=(benchmarks/keras_hub_step.py --preset mid --models gemma,llama
         --modes dp,mp --steps 8 --warmup 3 --out "$OUT")
     run n2_keras_hub_mid_lora_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --lora 4 --tag n2_keras_hub_mid_lora_9708d71
-    run n2_keras_hub_mid_full_f23a224 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --modes dp,mp,auto --tag n2_keras_hub_mid_full_f23a224
+    run n2_keras_hub_mid_full_a726b81 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe \
+        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_a726b81
+    run n2_keras_hub_mid_full_gemma_6a64862 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --models gemma --modes mp,auto --repeats 5 \
+        --tag n2_keras_hub_mid_full_gemma_6a64862
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \

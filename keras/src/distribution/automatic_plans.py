@@ -15,7 +15,8 @@ before is handled the same way:
 - its *row partner* is the next such call, on a new tensor (computed
   from the group's outputs), back to the group input's feature size;
 - the group is split on its output-only dimension (heads, or features),
-  the partner on its contracted one (`column_parallel`/`row_parallel`).
+  the partner on its contracted one (`column_parallel`/`row_parallel`;
+  the group sets no output layout: its outputs are split as computed).
   A member whose heads do not divide over the axis (grouped-query
   key/value heads) stays replicated; a group whose partner does not
   divide stays replicated whole;
@@ -355,7 +356,7 @@ def _place_pair(group, partner, placements, axis, size):
             _Placement(None, f"{role} {part}", problem)
             if problem is not None
             else _Placement(
-                tensor_parallel.column_parallel(axis),
+                _column_parallel(axis),
                 f"{role} {part}",
                 f"{column_size} split",
             )
@@ -365,6 +366,22 @@ def _place_pair(group, partner, placements, axis, size):
         f"{role} output",
         f"{row_size} split",
     )
+
+
+def _column_parallel(axis):
+    return functools.partial(_column_layouts, axis=axis)
+
+
+def _column_layouts(layer, batch_dim_name, axis):
+    """`column_parallel`'s layouts without the output's: a kernel split
+    on its output-only dimension already gives an output split there, so
+    the layout would only add a no-op constraint, forward and backward,
+    to every call (`distribute_tensor`)."""
+    entries = tensor_parallel.column_parallel_layouts(
+        layer, batch_dim_name, axis
+    )
+    entries.pop(f"{layer_path(layer)}/output", None)
+    return entries
 
 
 def _split_size(layer, axis, row=False):
@@ -504,7 +521,7 @@ def _hidden_layouts(layer, batch_dim_name, axis):
 
 
 _STYLE_NAMES = {
-    tensor_parallel.column_parallel_layouts: "column",
+    _column_layouts: "column",
     tensor_parallel.row_parallel_layouts: "row",
     expert_parallel_layouts: "experts",
     _vocabulary_layouts: "vocabulary",

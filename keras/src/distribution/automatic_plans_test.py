@@ -125,6 +125,9 @@ def test_grouped_key_value_replicated_when_heads_do_not_divide():
     assert "2 heads or features do not divide over 'model' of size 4" in line
 
 
+COLUMNS = ("mix/p", "mix/q", "mix/r", "u", "v")
+
+
 def test_layouts_equal_a_hand_written_megatron_plan():
     model = toy_model()
     mesh = fake_mesh({"batch": 2, "model": 2})
@@ -137,10 +140,13 @@ def test_layouts_equal_a_hand_written_megatron_plan():
     }
     expected = layout_map_axes(tp.tensor_parallel_layouts(model, mesh, hand))
     # The vocabulary-split table sets no output layout (a tied head's
-    # logits stay split along the vocabulary).
-    del expected["table/output"]
+    # logits stay split along the vocabulary), nor do the column-parallel
+    # layers (their split kernels split their outputs already).
+    for path in ("table", *(f"b{i}/{n}" for i in (0, 1) for n in COLUMNS)):
+        del expected[f"{path}/output"]
     got = layout_map_axes(ap.auto_tensor_parallel_layouts(model, mesh))
     assert got == expected
+    assert got["b0/mix/s/output"] == ("batch", None, None)
     assert got["b0/mix/q/kernel"] == (None, "model", None)
     assert got["b0/mix/s/kernel"] == ("model", None, None)
     assert got["table/embeddings"] == ("model", None)

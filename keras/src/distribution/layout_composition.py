@@ -244,6 +244,48 @@ def check_layouts(model, layout_map):
     return resolved
 
 
+class LiteralKeysLayoutMap(LayoutMap):
+    """A `LayoutMap` whose misses try as regexes only the keys that can
+    match more than themselves.
+
+    `LayoutMap` tries every key as a regex when no key equals the path
+    asked for, and every layer call asks for its output's layout. A map
+    built from a model holds one literal key per variable and output
+    (hundreds in a deep model), so each miss cost one regex match per
+    key, every step. A key without regex metacharacters fully matches
+    only itself, which the exact lookup already tried: the answers are
+    `LayoutMap`'s.
+    """
+
+    def __init__(self, device_mesh):
+        super().__init__(device_mesh)
+        self._patterns = None  # The keys that are not literal, once known.
+
+    def __getitem__(self, key):
+        if key in self._layout_map:
+            return self._layout_map[key]
+        if self._patterns is None:
+            self._patterns = [k for k in self._layout_map if re.escape(k) != k]
+        matching = [p for p in self._patterns if re.fullmatch(p, key)]
+        if len(matching) > 1:
+            # `LayoutMap.__getitem__`'s error.
+            raise ValueError(
+                f"Path '{key}' matches multiple layout "
+                f"specification keys: {matching}. Please make "
+                "sure each tensor/variable path only matches at most "
+                "one layout specification key in the LayoutMap."
+            )
+        return self._layout_map[matching[0]] if matching else None
+
+    def __setitem__(self, key, layout):
+        super().__setitem__(key, layout)
+        self._patterns = None
+
+    def __delitem__(self, key):
+        self._patterns = None
+        return super().__delitem__(key)
+
+
 def build_layout_map(device_mesh, entries):
     """Builds a `LayoutMap` from a dict of keys to layout axes.
 
@@ -253,9 +295,9 @@ def build_layout_map(device_mesh, entries):
             regex) to axes or `TensorLayout`.
 
     Returns:
-        A `LayoutMap`.
+        A `LiteralKeysLayoutMap`.
     """
-    layout_map = LayoutMap(device_mesh)
+    layout_map = LiteralKeysLayoutMap(device_mesh)
     for key, axes in entries.items():
         axes = normalize_axes(axes)
         check_layout(key, None, axes, device_mesh, kind="tensor")

@@ -241,6 +241,33 @@ def test_build_layout_map_and_layout_map_axes():
         lc.build_layout_map(MESH, {"k": ("fsdp", "fsdp")})
 
 
+def test_literal_keys_layout_map_answers_as_layout_map():
+    entries = {
+        "b0/q/kernel": (None, "model"),
+        "b0/q/output": ("fsdp", None),
+        r"b\d/w/kernel": ("model", None),
+        "b.*/bias": (None,),
+    }
+    plain = LayoutMap(MESH)
+    for key, axes in entries.items():
+        plain[key] = axes
+    fast = lc.build_layout_map(MESH, entries)
+    assert isinstance(fast, lc.LiteralKeysLayoutMap)
+    # Hits, misses, regex matches; a literal key matches only itself.
+    for key in ("b0/q/kernel", "b0/q/output", "b1/w/kernel", "b0/v/bias"):
+        assert fast[key].axes == plain[key].axes, key
+    for key in ("b0/q", "b0/q/kernelx", "b0/x/output", "b10/w/kernelz"):
+        assert fast[key] is None and plain[key] is None, key
+    # Keys added or removed later are seen.
+    fast["b0/v/.*"] = ("model",)
+    with pytest.raises(ValueError, match="matches multiple layout"):
+        fast["b0/v/bias"]
+    del fast["b.*/bias"]
+    assert fast["b0/v/bias"].axes == ("model",)
+    fast["b0/x/output"] = (None, None)
+    assert fast["b0/x/output"].axes == (None, None)
+
+
 @pytest.mark.parametrize(
     "axes, other, expected",
     [
