@@ -156,7 +156,14 @@ def _local_lookup(indices, table, axis):
     first row is its coordinate on `axis` times the rounded-up chunk size.
     """
     mesh = table.device_mesh
-    local_table = table.to_local()
+    # Where the indices are split and the table is not (the batch axes),
+    # each process's rows of the table's gradient are a partial sum.
+    local_table = table.to_local(
+        grad_placements=[
+            Partial() if split.is_shard() and rows.is_replicate() else rows
+            for split, rows in zip(indices.placements, table.placements)
+        ]
+    )
     chunk = -(-table.shape[0] // mesh.size(axis))
     first = min(mesh.get_local_rank(axis) * chunk, table.shape[0])
     local_indices = indices.to_local() - first
