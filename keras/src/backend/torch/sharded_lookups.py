@@ -160,8 +160,8 @@ def _local_lookup(indices, table, axis):
     # each process's rows of the table's gradient are a partial sum.
     local_table = table.to_local(
         grad_placements=[
-            Partial() if split.is_shard() and rows.is_replicate() else rows
-            for split, rows in zip(indices.placements, table.placements)
+            Partial() if index.is_shard() and kept.is_replicate() else kept
+            for index, kept in zip(indices.placements, table.placements)
         ]
     )
     chunk = -(-table.shape[0] // mesh.size(axis))
