@@ -88,9 +88,6 @@ cpu() {
     run n2_keras_hub_mid_full_a726b81 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe \
         --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_a726b81
-    run n2_keras_hub_mid_full_gemma_6a64862 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --models gemma --modes mp,auto --repeats 5 \
-        --tag n2_keras_hub_mid_full_gemma_6a64862
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
