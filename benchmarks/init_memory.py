@@ -35,8 +35,6 @@ import time
 
 import rank_processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def create(args):
     """Creates the embedding in this process; writes what it measured."""
@@ -104,7 +102,7 @@ def launch(args, processes, path):
     work = tempfile.mkdtemp(prefix="init_memory_")
     script = [
         os.path.abspath(__file__),
-        "--create",
+        "--child",
         f"--rows={args.rows}",
         f"--cols={args.cols}",
         f"--path={path}",
@@ -178,22 +176,14 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=131072)
     parser.add_argument("--cols", type=int, default=1024)
-    parser.add_argument(
-        "--processes",
-        type=lambda s: [int(n) for n in s.split(",")],
-        default=[2, 4],
-    )
-    parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--create", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", default="shard", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
+    rank_processes.add_launch_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.create:
+    if args.child:
         create(args)
         return
     rows = measure_all(args)

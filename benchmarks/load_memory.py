@@ -60,7 +60,6 @@ import time
 
 import rank_processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = {"weights": "model.weights.h5", "keras": "model.keras"}
 
 
@@ -414,21 +413,13 @@ def parse_args(argv=None):
         "Gemma backbone, saved as a preset folder, loaded by from_preset",
     )
     parser.add_argument(
-        "--processes",
-        type=lambda s: [int(n) for n in s.split(",")],
-        default=[2, 4],
-    )
-    parser.add_argument(
         "--paths", type=lambda s: s.split(","), default=["slices", "full"]
     )
     parser.add_argument("--save", action="store_true")
-    parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--scratch", default=None, help="folder for files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", default="slices", help=argparse.SUPPRESS)
     parser.add_argument("--files", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
+    rank_processes.add_launch_arguments(parser, timeout=1200)
     return parser.parse_args(argv)
 
 

@@ -6,11 +6,30 @@ several processes; each rank writes `result<rank>.json` into a work
 folder. Imports no torch: the launching process stays small.
 """
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def add_launch_arguments(parser, timeout=600):
+    """The flags every such script takes: `--processes` (a comma-separated
+    list of process counts), `--timeout` (seconds per launch), `--out`
+    (the results folder), and the hidden `--child` and `--work` of the
+    copies it launches."""
+    parser.add_argument(
+        "--processes",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=[2, 4],
+    )
+    parser.add_argument("--timeout", type=int, default=timeout)
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
 
 
 def free_port():

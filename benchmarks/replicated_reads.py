@@ -34,8 +34,6 @@ import time
 
 import rank_processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _read_chars():
     with open("/proc/self/io") as f:
@@ -135,17 +133,9 @@ def table(args, runs):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument(
-        "--processes",
-        type=lambda s: [int(n) for n in s.split(",")],
-        default=[2, 4],
-    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--scratch", default=None, help="folder for files")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
+    rank_processes.add_launch_arguments(parser)
     return parser.parse_args(argv)
 
 
