@@ -237,6 +237,17 @@ def test_lora_factor_gradients_take_one_bucket_each_way(reports):
         }
 
 
+@pytest.mark.parametrize("run", [r for r in RUNS if ":" in r])
+def test_steps_warn_as_without_a_distribution(reports, run):
+    """A step under a distribution warns of nothing the same step without
+    one does not (the unit gathers' deprecated torch collectives warned
+    on each step)."""
+    for report in reports:
+        extra = set(report[f"{run}/warnings"])
+        extra -= set(report[f"{run}/reference_warnings"])
+        assert not extra
+
+
 @pytest.mark.parametrize("case", LOSS_CASES)
 def test_loss_reduction_on_local_tensors_equals_dtensors(reports, case):
     """Each process reduces its own loss values: the value and the

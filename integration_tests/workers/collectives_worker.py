@@ -33,6 +33,7 @@ both models.
 import contextlib
 import os
 import sys
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -135,6 +136,8 @@ _COUNTING = []
 _EVENTS = []
 # The counts when the loss was computed, i.e. after forward.
 _FORWARD_COUNTS = {}
+# The warnings the last counted step raised.
+_WARNINGS = []
 
 
 def counted_mse(y_true, y_pred):
@@ -183,10 +186,13 @@ def train(mode, optimizer_name, distributed=True):
     with CollectiveCounter() as comm, step_events():
         _COUNTING.append(comm)
         try:
-            losses.append(float(model.train_on_batch(x[2], y[2])))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses.append(float(model.train_on_batch(x[2], y[2])))
         finally:
             _COUNTING.pop()
     counts = {str(op): n for op, n in comm.get_comm_counts().items() if n}
+    _WARNINGS[:] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return model, losses, counts
 
 
@@ -471,6 +477,7 @@ def run(spec):
     record(f"{spec}/trainable", len(model.trainable_variables))
     record(f"{spec}/losses", losses)
     record(f"{spec}/events", list(_EVENTS))
+    record(f"{spec}/warnings", list(_WARNINGS))
     if mode.startswith("fsdp"):
         record(f"{spec}/layouts", variable_layouts(model))
         record(f"{spec}/weights", weights(model))
@@ -478,6 +485,7 @@ def run(spec):
         mode, optimizer_name, distributed=False
     )
     record(f"{spec}/reference_losses", reference)
+    record(f"{spec}/reference_warnings", list(_WARNINGS))
     if mode.startswith("fsdp"):
         record(f"{spec}/reference_weights", weights(reference_model))
 

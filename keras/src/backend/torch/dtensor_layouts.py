@@ -18,7 +18,6 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
 from keras.src.backend.torch import torch_internals
-from keras.src.backend.torch.torch_internals import AsyncCollectiveTensor
 from keras.src.backend.torch.torch_internals import DTensorSpec
 from keras.src.backend.torch.torch_internals import StridedShard
 
@@ -203,10 +202,7 @@ def waited_local_tensor(value):
     returned: operators reading it then run without the wrapper's Python
     dispatch, each of which would check it again.
     """
-    local = torch_internals.local_tensor(value)
-    if type(local) is AsyncCollectiveTensor:
-        return local.trigger_wait()
-    return local
+    return torch_internals.waited(torch_internals.local_tensor(value))
 
 
 def copy_spec(spec):

@@ -34,6 +34,12 @@ from torch.distributed.tensor import Shard
 from keras.src.backend.torch import parameter_gradients
 from keras.src.backend.torch import torch_internals
 
+# torch 2.13 deprecates `all_gather_into_tensor` (a FutureWarning on every
+# call) for `all_gather_single`, which torch 2.11 does not have.
+_ALL_GATHER_SINGLE = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+
 
 def gathered_dim(grad_spec, parameter_spec):
     """`(mesh axis, tensor dim)` where the gradient must be gathered to
@@ -92,7 +98,7 @@ class GatherBucket:
         self.flat = torch.cat(locals_)
         size = self.mesh.size(self.axis)
         self.gathered = self.flat.new_empty(size * self.flat.numel())
-        self.work = dist.all_gather_into_tensor(
+        self.work = _ALL_GATHER_SINGLE(
             self.gathered,
             self.flat,
             group=self.mesh.get_group(self.axis),

@@ -71,7 +71,7 @@ class UnitPlan:
         # an asynchronous gather, this input is a new flat copy of the
         # shards.
         flat = torch.cat([shard.reshape(-1) for shard in shards])
-        return torch_internals.functional_collectives.all_gather_tensor(
+        return torch_internals.all_gather_single(
             flat, gather_dim=0, group=self.group
         )
 
@@ -80,7 +80,7 @@ class UnitPlan:
         result, waited for."""
         # The output of an asynchronous gather is read only after the
         # gather is waited for.
-        return _wait(started).view(self.world, -1)
+        return torch_internals.waited(started).view(self.world, -1)
 
     def unpack(self, rows):
         """The full values in gathered `rows`.
@@ -102,8 +102,8 @@ class UnitPlan:
         # The gradients (partial sums over the batch axis) are packed as
         # the values were, and reduce-scattered in one collective back to
         # each variable's shards.
-        summed = _wait(
-            torch_internals.functional_collectives.reduce_scatter_tensor(
+        summed = torch_internals.waited(
+            torch_internals.reduce_scatter_single(
                 rows.reshape(-1), "sum", scatter_dim=0, group=self.group
             )
         )
@@ -111,15 +111,6 @@ class UnitPlan:
             part.view(shape)
             for part, shape in zip(summed.split(self.numels), self.local_shapes)
         ]
-
-
-def _wait(tensor):
-    """The result of a functional collective, waited for."""
-    if isinstance(
-        tensor, torch_internals.functional_collectives.AsyncCollectiveTensor
-    ):
-        return tensor.wait()
-    return tensor
 
 
 # When a unit is gathered in forward, the gather of the next unit (in the
@@ -145,7 +136,7 @@ class StartedGather:
         """Waits for the gather (of a prefetch that was never read)."""
         # A prefetched unit that the call never reads is waited for when
         # the call ends, raised or not.
-        _wait(self.rows)
+        torch_internals.waited(self.rows)
 
 
 class GatherUnit(torch.autograd.Function):

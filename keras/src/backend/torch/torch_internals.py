@@ -32,7 +32,26 @@ StridedShard = placement_types._StridedShard
 MaskPartial = placement_types._MaskPartial
 # The functional collectives DTensor issues, and their pending results.
 functional_collectives = funcol
+# torch 2.13 names the functional all-gather and reduce-scatter `*_single`
+# and warns (FutureWarning) on each eager call of the old `*_tensor` names,
+# which are all torch 2.11 has.
+all_gather_single = getattr(
+    funcol, "all_gather_single", funcol.all_gather_tensor
+)
+reduce_scatter_single = getattr(
+    funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor
+)
 AsyncCollectiveTensor = funcol.AsyncCollectiveTensor
+
+
+def waited(tensor):
+    """`tensor`, or the result of its pending collective, waited for (a
+    pending result is a tensor subclass that, e.g., numpy cannot read)."""
+    if isinstance(tensor, AsyncCollectiveTensor):
+        return tensor.trigger_wait()
+    return tensor
+
+
 generate_redistribute_costs = _ops_utils.generate_redistribute_costs
 compute_local_shape_and_global_offset = (
     _utils.compute_local_shape_and_global_offset
