@@ -48,6 +48,7 @@ LAUNCHES = {
             f"gemma:dp:{WORKFLOW}",
             "gemma:1x2:kv1",
             "gemma:1x2+guide:tune+generate",
+            "gemma:1x2:generate+nolora",
             "gemma:2x1+guide:generate",
             f"gemma_mqa:1x2+mqa:{WORKFLOW}",
             "gemma_mqa:2x1+mqa:tune+generate",
@@ -182,6 +183,17 @@ def test_tensor_parallel_layers_generate_on_local_shards(launches):
         assert {"EinsumDense", "RotaryEmbedding"} <= set(
             got["generate/local_layers"]
         )
+    # Without LoRA factors (replicated, each added to a split kernel), so
+    # do its attention layers, which reshape by whole head counts, and
+    # its decoder blocks, whose attention and MLP outputs are all-reduced
+    # where they end: both replay their first calls (`local_replays`).
+    for got, _ in values(launches, "gemma:1x2:generate+nolora"):
+        assert {
+            "EinsumDense",
+            "RotaryEmbedding",
+            "CachedGemmaAttention",
+            "GemmaDecoderBlock",
+        } <= set(got["generate/local_layers"])
 
 
 @pytest.mark.parametrize("run", runs_with("generate"))
@@ -223,7 +235,9 @@ def mesh_of(run):
     return int(rows), int(columns)
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if "kv1" not in r])
+@pytest.mark.parametrize(
+    "run", [r for r in RUNS if "kv1" not in r and "nolora" not in r]
+)
 def test_layouts_split_the_kernel_and_replicate_lora(launches, run):
     for got, _ in values(launches, run):
         kernel, lora = got["placements"].values()

@@ -35,26 +35,37 @@ def torch_distribution_lib():
     return distribution_lib
 
 
-def in_eager_distributed_step_check():
+def in_eager_distributed_step_check(or_replaying=False):
     """A function telling whether a call runs in an eager distributed step.
 
     That is: a distribution set (checked first, in one Python call: without
     a distribution nothing else is asked; upstream's layer call reads it
     under `torch.compile` too), not under `torch.compile` (dynamo traces
     none of the rest), and `replicate_created_tensors` active (a step's
-    context, not suspended by a local call).
+    context, not suspended by a local call). With `or_replaying`, also
+    inside a local call that replays its first call's layer ends
+    (`local_replays`).
     """
     import torch
 
     from keras.src.backend.torch import created_tensors
+    from keras.src.backend.torch import local_call_state
 
     current_distribution = distribution_accessor()
     in_step = created_tensors.replicating_created_tensors
     compiling = torch.compiler.is_compiling
+    state = local_call_state.step_state()
 
     def in_eager_step():
         return (
             current_distribution() is not None and not compiling() and in_step()
         )
 
-    return in_eager_step
+    def in_eager_step_or_replay():
+        return (
+            current_distribution() is not None
+            and not compiling()
+            and (in_step() or bool(state.replays))
+        )
+
+    return in_eager_step_or_replay if or_replaying else in_eager_step

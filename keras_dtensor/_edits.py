@@ -45,7 +45,9 @@ def edit_layer_call_runs_batch_local(layer_module):
     from keras.src.backend.torch import batch_local
 
     upstream_call = layer_module.Layer.__call__
-    in_eager_step = support.in_eager_distributed_step_check()
+    # A local call that replays its first call's layer ends
+    # (`local_replays`) sees its sublayers' calls end too.
+    in_eager_step = support.in_eager_distributed_step_check(or_replaying=True)
 
     def __call__(self, *args, **kwargs):
         if not in_eager_step():
@@ -114,7 +116,7 @@ def edit_loss_call_runs_batch_local(losses_module):
 
     wrapper_class = losses_module.LossFunctionWrapper
     upstream_call = wrapper_class.call
-    in_eager_step = support.in_eager_distributed_step_check()
+    in_eager_step = support.in_eager_distributed_step_check(or_replaying=True)
 
     def call(self, y_true, y_pred):
         if not in_eager_step():

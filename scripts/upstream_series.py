@@ -146,6 +146,7 @@ MODULE_PATCHES = (
             T + "local_call_checks.py",
             T + "local_call_state.py",
             T + "local_calls.py",
+            T + "local_replays.py",
             T + "local_variables.py",
             T + "local_views.py",
         ],

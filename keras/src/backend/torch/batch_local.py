@@ -43,6 +43,7 @@ from keras.src.backend.torch import inference_local_calls
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
+from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
 from keras.src.distribution import distribution_lib
@@ -72,7 +73,12 @@ def call_layer(layer, upstream_call, args, kwargs):
     Returns:
         The layer's outputs, as DTensors wherever the call took DTensors.
     """
-    return partial_sums_reduced(_call_layer(layer, upstream_call, args, kwargs))
+    outputs = _call_layer(layer, upstream_call, args, kwargs)
+    if local_replays.active():
+        # A first call on DTensors notes its layer ends, a local run
+        # replays them.
+        return local_replays.layer_end(outputs, partial_sums_reduced)
+    return partial_sums_reduced(outputs)
 
 
 def partial_sums_reduced(outputs):

@@ -357,15 +357,15 @@ class _SumOverBatch(torch.autograd.Function):
     """The sum of every process's local scalar, as a replicated DTensor.
 
     One all-reduce per batch mesh axis of more than one process, the
-    functional collective DTensor issues (`_all_reduce_sum`); the gradient
-    of each local scalar is the (replicated) gradient of the sum.
+    functional collective DTensor issues (`torch_runtime.all_reduce_sum`);
+    the gradient of each local scalar is the (replicated) gradient of the sum.
     """
 
     @staticmethod
     def forward(ctx, local, mesh, batch_dims):
         total = local.detach()
         for mesh_dim in batch_dims:
-            total = _all_reduce_sum(total, mesh, mesh_dim)
+            total = torch_runtime.all_reduce_sum(total, mesh, mesh_dim)
         replicated = (Replicate(),) * mesh.ndim
         spec = DTensorSpec(
             mesh,
@@ -423,9 +423,9 @@ def whole_value(value):
 
     A DTensor whose placements are `Replicate` and `Partial("sum")` or
     `Partial("avg")` is all-reduced over its partial axes (one
-    `_all_reduce_sum` each, the division of an average after them), and
-    returned replicated, detached: the value DTensor's redistribution to
-    `Replicate` gives. Anything else is returned as it is.
+    `torch_runtime.all_reduce_sum` each, the division of an average after
+    them), and returned replicated, detached: the value DTensor's
+    redistribution to `Replicate` gives. Anything else is returned as it is.
 
     Collectives: one all-reduce per partial mesh axis of more than one
     process, decided from the placements (the same on every process).
@@ -445,28 +445,8 @@ def whole_value(value):
     with suspended:
         for mesh_dim in summed:
             if spec.mesh.size(mesh_dim) > 1:
-                local = _all_reduce_sum(local, spec.mesh, mesh_dim)
+                local = torch_runtime.all_reduce_sum(local, spec.mesh, mesh_dim)
         divisor = math.prod(spec.mesh.size(mesh_dim) for mesh_dim in averaged)
         if divisor > 1:
             local = local / divisor
     return dtensor_layouts.replicated_like(local, spec)
-
-
-def _all_reduce_sum(tensor, mesh, mesh_dim):
-    """The sum of `tensor` over one mesh axis, waited for.
-
-    The functional all-reduce that DTensor issues, called directly rather
-    than by `funcol.all_reduce`, whose wrapping is a custom operator for
-    autograd's sake: the caller is an autograd function's forward.
-    """
-    functional = torch_runtime.c10d_functional_ops()
-    group_name = mesh.get_group(mesh_dim).group_name
-    # Waited for where it is issued, before backward starts, as DTensor
-    # waits for its own. Leaving a mean's all-reduce pending while
-    # backward ran (and reading the loss only after the optimizer) was
-    # measured slower: 0.4 to 2.6 ms a step for the benchmark's
-    # transformer and llama on 2 and 4 gloo processes of a 2-core
-    # machine, 100 to 150 alternating steps.
-    return functional.wait_tensor(
-        functional.all_reduce(tensor, "sum", group_name)
-    )

@@ -35,6 +35,7 @@ from keras.src.backend.torch import argument_layouts
 from keras.src.backend.torch import creation_handlers
 from keras.src.backend.torch import extreme_reductions
 from keras.src.backend.torch import in_place_writes
+from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import local_rows
 from keras.src.backend.torch import python_values
 from keras.src.backend.torch import sharded_lookups
@@ -294,8 +295,14 @@ class _CompiledReplicateCreatedTensors(_ReplicateCreatedTensors):
         # A Python value read in a compiled step is a graph break, where
         # Dynamo reads it itself: the gather of `python_values` would put
         # a data-dependent read into the graph, which the step's backend
-        # refuses ("aten._local_scalar_dense.default").
-        if func in _HANDLERS and func not in python_values.HANDLERS:
+        # refuses ("aten._local_scalar_dense.default"). No layer runs
+        # locally in a compiled step, so no reshape is noted for one
+        # (`local_replays`).
+        if (
+            func in _HANDLERS
+            and func not in python_values.HANDLERS
+            and func not in local_replays.HANDLERS
+        ):
             value = _HANDLERS[func](self, func, args, kwargs)
         else:
             value = func(*args, **kwargs)
@@ -325,4 +332,5 @@ _HANDLERS = {
     **extreme_reductions.HANDLERS,
     **python_values.HANDLERS,
     **split_class_losses.HANDLERS,
+    **local_replays.HANDLERS,
 }

@@ -258,8 +258,6 @@ def _put_owned_elements(target, indices, values, accumulate):
     process that owns it, so the result is exact, with and without
     `accumulate`; the target keeps its layout and is never gathered.
     """
-    # Written at local indices: a call on local tensors would not.
-    local_call_checks.note_effect()
     local = target.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
@@ -269,10 +267,19 @@ def _put_owned_elements(target, indices, values, accumulate):
     )
     owned_values = _held_as_owned(target, indices, values)
     if owned_values is None:
+        # Values gathered, written at local indices: a call on local
+        # tensors would not.
+        local_call_checks.note_effect()
         values = _whole(values).to(local.dtype)
         values = values.broadcast_to(
             (*indices[0].shape, *target.shape[len(indices) :])
         )
+    else:
+        # Each process writes the values it holds (a token's keys, split
+        # by heads, into a head-split cache): a call on local tensors
+        # that computes its indices from its local shapes writes the
+        # same elements, which `inference_local_calls` checks bit for bit.
+        local_call_checks.note_owned_write()
     owned = torch.ones(indices[0].shape, dtype=torch.bool, device=local.device)
     local_indices = []
     for dim, index in enumerate(indices):

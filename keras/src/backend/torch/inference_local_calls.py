@@ -11,32 +11,41 @@ most of a token's time.
 
 Without gradients (`generate()`, `predict`), such a call is checked
 otherwise (`call_layer`). The first call of a layer with a signature
-(`batch_local._signature`) runs on DTensors, then once more on the local
+(`batch_local._signature`) runs on DTensors, noting what its local runs
+must replay (`local_replays`: its reshapes by global sizes, the
+all-reduces where its sublayers end), then once more on the local
 tensors of its arguments and variables, with the step's torch function
-mode suspended (`_run_locally`). The layer runs locally from then on
-where, on every process, the DTensor call issued no collective (but the
-verdicts of its sublayers' first calls), drew nothing, noted no effect
+mode suspended, replaying them (`_run_locally`). The layer runs locally
+from then on where, on every process, the DTensor call issued no
+collective (but the verdicts of its sublayers' first calls and the
+all-reduces at layer ends), drew nothing, noted no effect
 (`local_call_checks.note_effect`: a relayout that moves values, a write
-computed on local tensors), added no loss and held no DTensor attribute,
-and the local run returned each output's local tensor bit for bit, in
-its shape and dtype. The processes agree on the verdict by one
-all-reduce (its minimum), so all take the same path. A later call with
-the signature runs on local tensors and lays its outputs out as the
-first call's (`local_calls.as_dtensor`), partial sums included:
+of gathered values at local indices), added no loss and held no DTensor
+attribute, and the local run returned each output's local tensor bit
+for bit, in its shape and dtype. The processes agree on the verdict by
+one all-reduce (its minimum), so all take the same path. A later call
+with the signature runs on local tensors, replaying the first call's
+notes, and lays its outputs out as the first call's
+(`local_calls.as_dtensor`), partial sums included:
 `batch_local.partial_sums_reduced` reduces them where the layer ends.
+keras-hub's attention layers and decoder blocks so generate on local
+shards.
 
 With gradients on, `batch_local` decides alone: no gradient is recorded
 on this path.
 
 Contract: a first call issues the DTensor call's collectives and one
 all-reduce over every process (the verdict), in the same order on every
-process; a local call issues none. A layer whose call depends on values
-other than its first call's in a way that the comparison cannot see (a
-branch on a value, Python state changed between calls) is outside what
-the check proves, as in `batch_local`.
+process; a local call issues the all-reduces its first call issued at
+layer ends, in the same order, and no other. A layer whose call depends
+on values other than its first call's in a way that the comparison
+cannot see (a branch on a value, a write whose position along a split
+dimension depends on a value, Python state changed between calls) is
+outside what the check proves, as in `batch_local`.
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +56,7 @@ from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
+from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
 
@@ -84,8 +94,8 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
     plan = plans[key]
     if plan is None:
         return on_dtensors()
-    outputs = _run_locally(layer, upstream_call, args, kwargs)
-    specs = iter(plan)
+    outputs = _run_locally(layer, upstream_call, args, kwargs, plan.record)
+    specs = iter(plan.outputs)
     computed = local_call_state.caches().computed
     return local_calls.map_tensors(
         outputs,
@@ -113,46 +123,71 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
     """Runs the call on DTensors, then locally, and compares them.
 
     Returns:
-        The DTensor call's outputs, and per tensor output its local
-        shape, spec and gradient placements (`local_call_checks`), or
-        None where the layer must run on DTensors.
+        The DTensor call's outputs, and the `_Plan` of its local calls,
+        or None where the layer must run on DTensors.
     """
     mesh = torch_internals.spec_of(
         local_call_checks.tensor_leaves((args, kwargs))[0]
     ).mesh
     before = _Before(layer, mesh)
-    outputs = on_dtensors()
-    exact = before.unchanged(layer) and _runs_locally_alike(
-        layer, upstream_call, args, kwargs, outputs
-    )
-    if not _everywhere(exact, mesh):
+    with local_replays.recording() as record:
+        outputs = on_dtensors()
+    with local_replays.paused():
+        exact = before.unchanged(layer) and _runs_locally_alike(
+            layer, upstream_call, args, kwargs, outputs, record
+        )
+        agreed = _everywhere(exact, mesh)
+    if not agreed:
         return outputs, None
-    return outputs, tuple(
+    specs = tuple(
         local_call_checks.output_spec(leaf, leaf.device_mesh)
         for leaf in local_call_checks.tensor_leaves(outputs)
     )
+    return outputs, _Plan(specs, record)
+
+
+class _Plan(NamedTuple):
+    """How a layer runs locally with a signature.
+
+    Attributes:
+        outputs: per tensor output, its local shape, spec and gradient
+            placements (`local_call_checks.output_spec`).
+        record: what its local runs replay of its first call
+            (`local_replays.Record`).
+    """
+
+    outputs: tuple
+    record: local_replays.Record
 
 
 class _Before:
     """What the DTensor call must leave unchanged: collectives issued on
-    the mesh's groups and the default group (but verdicts), draws,
-    effects, losses, generator states."""
+    the mesh's groups and the default group (but verdicts and the
+    all-reduces at layer ends), draws, effects, losses, generator
+    states."""
 
     def __init__(self, layer, mesh):
         self.groups = _groups(mesh)
         self.sequence = [torch_runtime.sequence_number(g) for g in self.groups]
         state = local_call_state.step_state()
         self.verdicts = state.verdicts
+        self.layer_ends = local_replays.collectives_at_layer_ends()
         self.effects = state.effects
         self.draws = created_tensors.draw_count()
         self.generators = local_call_checks.generator_states()
         self.losses = local_call_checks.loss_count(layer)
 
     def unchanged(self, layer):
+        """Whether the call left all of it unchanged, but the verdicts and
+        the all-reduces at layer ends (which a local run replays)."""
         state = local_call_state.step_state()
         verdicts = state.verdicts - self.verdicts
+        ends = local_replays.collectives_at_layer_ends()
         expected = [
-            number + (verdicts if group is dist.group.WORLD else 0)
+            number
+            + (verdicts if group is dist.group.WORLD else 0)
+            + ends.get(group, 0)
+            - self.layer_ends.get(group, 0)
             for group, number in zip(self.groups, self.sequence)
         ]
         return (
@@ -177,9 +212,10 @@ def _groups(mesh):
     return groups
 
 
-def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs):
-    """Whether the call run on local tensors returns, for each DTensor
-    output, its local tensor exactly (and no other tensor)."""
+def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, record):
+    """Whether the call run on local tensors (replaying `record`) returns,
+    for each DTensor output, its local tensor exactly (and no other
+    tensor)."""
     expected = local_call_checks.tensor_leaves(outputs)
     if not all(
         type(leaf) is DTensor and getattr(leaf, "_keras_mask", None) is None
@@ -187,7 +223,7 @@ def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs):
     ):
         return False
     try:
-        local = _run_locally(layer, upstream_call, args, kwargs)
+        local = _run_locally(layer, upstream_call, args, kwargs, record)
     except Exception:
         # The layer cannot run on local tensors (a shape made from a
         # global size): it runs on DTensors.
@@ -212,17 +248,18 @@ def _everywhere(exact, mesh):
     return bool(verdict.item())
 
 
-def _run_locally(layer, upstream_call, args, kwargs):
+def _run_locally(layer, upstream_call, args, kwargs, record):
     """Calls the layer on the local tensors of its arguments, variables
     read as their local tensors, the step's torch function mode
-    suspended."""
+    suspended, replaying what `record` noted of its first call."""
     args, kwargs = local_calls.map_tensors(
         (args, kwargs), local_calls.local_tensor_of
     )
     state = local_call_state.step_state()
     state.local_calls += 1
     try:
-        with _LocalVariables(), _plain():
+        replay = local_replays.Replay(record)
+        with _LocalVariables(), _plain(), local_replays.replaying(replay):
             return upstream_call(layer, *args, **kwargs)
     finally:
         state.local_calls -= 1

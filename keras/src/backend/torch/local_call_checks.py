@@ -114,7 +114,7 @@ class _BeforeCall:
         # the step's torch function mode.
         self.generators = generator_states()
         self.draws = created_tensors.draw_count()
-        self.effects = local_call_state.step_state().effects
+        self.effects = _effects_and_owned_writes()
         self.variables = _variable_versions(layer, placements)
         self.losses = loss_count(layer)
         self.holds_dtensors = holds_dtensor_attributes(layer)
@@ -140,7 +140,7 @@ class _BeforeCall:
         return (
             _sequence_numbers(self.groups) == expected
             and created_tensors.draw_count() == self.draws
-            and local_call_state.step_state().effects == self.effects
+            and _effects_and_owned_writes() == self.effects
             and _same_versions(
                 _variable_versions(layer, self.placements), self.variables
             )
@@ -376,6 +376,24 @@ def note_effect():
     if torch.compiler.is_compiling():
         return
     local_call_state.step_state().effects += 1
+
+
+def note_owned_write():
+    """Counts a write of the values each process holds into the elements
+    it owns, at local indices (`in_place_writes`).
+
+    An effect for this module's check, which reasons on placements alone;
+    not for `inference_local_calls`, which compares a local run's values
+    with the DTensor call's, bit for bit.
+    """
+    if torch.compiler.is_compiling():
+        return
+    local_call_state.step_state().owned_writes += 1
+
+
+def _effects_and_owned_writes():
+    state = local_call_state.step_state()
+    return state.effects + state.owned_writes
 
 
 def keeps_local_values(value, layout):

@@ -20,6 +20,7 @@ Contract: reading or changing this state issues no collective and runs
 no torch operator.
 """
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -38,8 +39,16 @@ class StepState(threading.local):
             reads the variable unsharded (`local_call_checks`).
         effects: the number of effects counted so far
             (`local_call_checks.note_effect`).
+        owned_writes: the number of writes of held values into owned
+            elements counted so far (`local_call_checks.note_owned_write`).
         verdicts: the number of verdicts agreed on so far, one
             all-reduce each (`inference_local_calls`).
+        recordings: the `local_replays.Record`s of the first calls
+            running on DTensors, innermost last.
+        replays: the `local_replays.Replay`s of the local runs running,
+            innermost last.
+        layer_end_collectives: process group -> the all-reduces issued
+            on it at layer ends (`local_replays.layer_end`).
     """
 
     def __init__(self):
@@ -47,7 +56,11 @@ class StepState(threading.local):
         self.accumulating_steps = 0
         self.unsharded = {}
         self.effects = 0
+        self.owned_writes = 0
         self.verdicts = 0
+        self.recordings = []
+        self.replays = []
+        self.layer_end_collectives = collections.Counter()
 
 
 # One object; `threading.local` gives each thread its own attributes.

@@ -1,0 +1,268 @@
+"""What a layer's local run replays of its first call on DTensors.
+
+Without gradients, a layer split over a model axis runs on local tensors
+where its first call, run on DTensors and again locally, gives the same
+local outputs bit for bit (`inference_local_calls`). Two things the
+DTensor call does, a run on plain tensors would not:
+
+- **Reshapes by a global size.** keras-hub's attention layers reshape
+  their queries to `(batch, length, num_key_value_heads, groups,
+  head_dim)` and their results to `(batch, length, num_query_heads,
+  head_dim)`: whole head counts, where each process holds some heads.
+  DTensor maps the global shape onto the shards; a local tensor cannot
+  take it.
+- **The all-reduces at its sublayers' ends.** A row-parallel sublayer's
+  output is all-reduced where the sublayer ends
+  (`batch_local.partial_sums_reduced`): an attention layer's output
+  projection, a decoder block's MLP.
+
+While the first call runs on DTensors (`recording`), both are noted in a
+`Record`: each reshape of a DTensor, by its local input shape and the
+shape asked for, with the local shape DTensor gave; and at each layer
+end (`layer_end`), which outputs were reduced over which mesh axes. The
+local runs then replay them (`replaying`): a reshape with a noted key
+asks for the noted local shape (a key noted with two results is not
+translated), and at the n-th layer end the outputs reduced at the first
+call's n-th layer end are all-reduced over the same axes, on the local
+tensors. Whether a local run computes exactly the DTensor call's local
+outputs is checked as before, bit for bit: the notes only let it try.
+
+Contract: recording issues no collective and changes no value. A replay
+issues, at each layer end of the local run, the all-reduces the first
+call issued at that layer end, on the same groups, in the same order:
+every process runs the same program, so they stay in lockstep.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from keras.src.backend.torch import local_call_state
+from keras.src.backend.torch import torch_internals
+from keras.src.backend.torch import torch_runtime
+
+# A reshape noted with two different local results (never translated).
+_AMBIGUOUS = None
+
+
+class Record:
+    """The notes of one first call on DTensors.
+
+    Attributes:
+        shapes: (local input shape, requested shape) -> the local shape
+            of the result, or `_AMBIGUOUS`.
+        ends: the number of layer ends so far.
+        reductions: layer end number -> ((output index, mesh, axes), ...)
+            for the outputs reduced there.
+    """
+
+    def __init__(self):
+        self.shapes = {}
+        self.ends = 0
+        self.reductions = {}
+
+    def note_shape(self, key, local_shape):
+        noted = self.shapes.get(key, local_shape)
+        self.shapes[key] = local_shape if noted == local_shape else _AMBIGUOUS
+
+    def note_end(self, reductions):
+        if reductions:
+            self.reductions[self.ends] = reductions
+        self.ends += 1
+
+    def translations(self):
+        """The reshapes a local run changes: keys noted once, whose local
+        result is not the requested shape."""
+        return {
+            key: shape
+            for key, shape in self.shapes.items()
+            if shape is not _AMBIGUOUS and shape != key[1]
+        }
+
+
+class Replay:
+    """What a local run replays: a record's translations and reductions,
+    and how many layer ends the run has reached."""
+
+    def __init__(self, record):
+        self.shapes = record.translations()
+        self.reductions = record.reductions
+        self.ends = 0
+
+
+class recording:
+    """The context of a first call on DTensors: yields its `Record`.
+
+    Recordings nest (a sublayer's first call inside its layer's): each
+    notes what happens inside it. A check's local run (`paused`) notes
+    nothing in the recordings around it.
+    """
+
+    def __enter__(self):
+        self.record = Record()
+        local_call_state.step_state().recordings.append(self.record)
+        return self.record
+
+    def __exit__(self, *exc_info):
+        # The innermost recording is this one.
+        local_call_state.step_state().recordings.pop()
+
+
+class paused:
+    """A context where the open recordings note nothing: a first call's
+    check runs the layer a second time, which its callers' local runs
+    will not."""
+
+    def __enter__(self):
+        state = local_call_state.step_state()
+        self.recordings, state.recordings = state.recordings, []
+
+    def __exit__(self, *exc_info):
+        local_call_state.step_state().recordings = self.recordings
+
+
+class replaying:
+    """The context of a local run: layer ends (`layer_end`) take the
+    replay's reductions and, where it has any, reshapes its local
+    shapes."""
+
+    def __init__(self, replay):
+        self.replay = replay
+        self.mode = _LocalShapes(replay.shapes) if replay.shapes else None
+
+    def __enter__(self):
+        local_call_state.step_state().replays.append(self.replay)
+        if self.mode is not None:
+            self.mode.__enter__()
+
+    def __exit__(self, *exc_info):
+        if self.mode is not None:
+            self.mode.__exit__(*exc_info)
+        local_call_state.step_state().replays.pop()
+
+
+class _LocalShapes(TorchFunctionMode):
+    """Reshapes whose (input shape, requested shape) is in `shapes` ask
+    for its local shape instead; every other call runs as it is."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HANDLERS:
+            requested = _requested_shape(args, kwargs)
+            shape = self.shapes.get((tuple(args[0].shape), requested))
+            if shape is not None:
+                return func(args[0], shape)
+        return func(*args, **kwargs)
+
+
+def active():
+    """Whether a recording or a replay is open on this thread."""
+    state = local_call_state.step_state()
+    return bool(state.recordings or state.replays)
+
+
+def layer_end(outputs, reduced):
+    """A layer's outputs where it ends, while `active()`.
+
+    Outside a local run, `reduced(outputs)` (the DTensor outputs' partial
+    sums reduced) is noted in the open recordings; inside one, the
+    outputs reduced at the first call's layer end of the same number are
+    all-reduced, and noted so. Either way the all-reduces are counted
+    per group (`collectives_at_layer_ends`).
+    """
+    state = local_call_state.step_state()
+    if state.replays:
+        outputs, reductions = _replayed(state.replays[-1], outputs)
+    else:
+        reductions = _reductions(outputs)
+        outputs = reduced(outputs)
+    for record in state.recordings:
+        record.note_end(reductions)
+    for _, mesh, axes in reductions:
+        for axis in axes:
+            state.layer_end_collectives[mesh.get_group(axis)] += 1
+    return outputs
+
+
+def collectives_at_layer_ends():
+    """Process group -> the all-reduces issued on it at layer ends while
+    recordings or replays were open, on this thread: those a local run
+    replays, in a first call's own run or in its sublayers' checks."""
+    return dict(local_call_state.step_state().layer_end_collectives)
+
+
+def _reductions(outputs):
+    """(output index, mesh, axes) of each DTensor output with partial sums
+    over mesh axes of more than one process (where reducing them is an
+    all-reduce: DTensor moves nothing on an axis of one)."""
+    leaves = torch_runtime.pytree.tree_leaves(outputs)
+    return tuple(
+        (index, leaf.device_mesh, _reduced_axes(leaf))
+        for index, leaf in enumerate(leaves)
+        if type(leaf) is DTensor and _reduced_axes(leaf)
+    )
+
+
+def _reduced_axes(value):
+    mesh = value.device_mesh
+    return tuple(
+        axis
+        for axis, placement in enumerate(value.placements)
+        if placement.is_partial() and mesh.size(axis) > 1
+    )
+
+
+def _replayed(replay, outputs):
+    """`outputs` with the replay's reductions at this layer end."""
+    reductions = replay.reductions.get(replay.ends, ())
+    replay.ends += 1
+    if not reductions:
+        return outputs, reductions
+    leaves, spec = torch_runtime.pytree.tree_flatten(outputs)
+    for index, mesh, axes in reductions:
+        for axis in axes:
+            leaves[index] = torch_runtime.all_reduce_sum(
+                leaves[index], mesh, axis
+            )
+    return torch_runtime.pytree.tree_unflatten(leaves, spec), reductions
+
+
+def _requested_shape(args, kwargs):
+    """The shape a reshape call asks for, as a tuple of ints; None for a
+    call that asks for none (`Tensor.view(dtype)`)."""
+    shape = kwargs.get("shape", args[1:])
+    if len(shape) == 1 and not isinstance(shape[0], int):
+        shape = shape[0]
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(size, int) for size in shape
+    ):
+        return None
+    return tuple(shape)
+
+
+def _reshape(mode, func, args, kwargs):
+    """A step's reshape, noted in the open recordings."""
+    value = func(*args, **kwargs)
+    records = local_call_state.step_state().recordings
+    if records and type(args[0]) is DTensor and type(value) is DTensor:
+        requested = _requested_shape(args, kwargs)
+        if requested is not None:
+            key = (
+                tuple(torch_internals.local_tensor(args[0]).shape),
+                requested,
+            )
+            local = tuple(torch_internals.local_tensor(value).shape)
+            for record in records:
+                record.note_shape(key, local)
+    return value
+
+
+# Registered in `created_tensors`'s table of the step's mode.
+HANDLERS = {
+    func: _reshape
+    for func in (torch.reshape, torch.Tensor.reshape, torch.Tensor.view)
+}
