@@ -11,7 +11,10 @@ time of a collective includes waiting for the other process to be
 scheduled, which the CPU time leaves out. Prints each mode's times, their
 ratios to no distribution, whether its tokens are the same, and the
 local tensor moves of one call (collectives among them) with its torch
-calls under the step's mode. Run it under torchrun:
+calls under the step's mode and its collectives; and the median time of
+one all-reduce of a token's hidden states (of the 4 prompts) on these
+processes, which, times the collectives of a token, bounds the time per
+token from below. Run it under torchrun:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
         benchmarks/keras_hub_generate.py --new-tokens 16
@@ -32,6 +35,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras_hub  # noqa: E402
+import measure  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -48,6 +52,7 @@ CAUSAL_LMS = {
     "llama": keras_hub.models.LlamaCausalLM,
 }
 MODE_CALLS = "torch calls in the step's mode"
+COLLECTIVES = "collectives"
 
 
 def build(name, mode, preset):
@@ -107,11 +112,26 @@ def counted_moves(model, inputs):
     _redistribute.redistribute_local_tensor = counting
     mode_class.__torch_function__ = counting_calls
     try:
-        model.generate(inputs, stop_token_ids=None)
+        with measure.CollectiveCounter() as collectives:
+            model.generate(inputs, stop_token_ids=None)
     finally:
         _redistribute.redistribute_local_tensor = moved
         mode_class.__torch_function__ = dispatch
+    counts[COLLECTIVES] = collectives.counts()["total"]
     return dict(counts.most_common())
+
+
+def all_reduce_ms(hidden_dim):
+    """The median milliseconds of one all-reduce of a token's hidden
+    states (4 prompts), over every process (200 after 20 warm-up)."""
+    states = torch.ones(4, 1, hidden_dim)
+    times = []
+    for index in range(220):
+        start = time.perf_counter()
+        dist.all_reduce(states)
+        if index >= 20:
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def run_model(name, args, inputs):
@@ -136,6 +156,8 @@ def run_model(name, args, inputs):
         if mode != "none":
             set_distribution(mode, BACKBONES[name])
             moves = counted_moves(models[mode], inputs)
+            hidden = PRESETS[args.preset]["backbone"]["hidden_dim"]
+            moves["all-reduce ms"] = round(all_reduce_ms(hidden), 3)
         rows.append(
             {
                 "model": name,
@@ -211,7 +233,28 @@ def report(rows, args):
                 f"- {count}: {kind}"
                 for kind, count in row["moves_per_call"].items()
             )
+            lines.append(_collective_floor(row, rows, args))
     return "\n".join(lines) + "\n"
+
+
+def _collective_floor(row, rows, args):
+    """A line: the collectives' time per token at the measured latency,
+    beside the time per token without a distribution."""
+    moves = row["moves_per_call"]
+    tokens = args.new_tokens + 1  # The prompt's call, then each token's.
+    per_token = moves[COLLECTIVES] / tokens
+    floor = per_token * moves["all-reduce ms"]
+    none = next(
+        r for r in rows if r["model"] == row["model"] and r["mode"] == "none"
+    )
+    none_ms = statistics.median(none["ms_per_token"])
+    return (
+        f"\n{row['model']} {row['mode']}: {per_token:.1f} collectives per "
+        f"call of the model (prompt, then each token), each an all-reduce "
+        f"of about {moves['all-reduce ms']:.2f} ms here: {floor:.1f} ms per "
+        f"token in collectives alone, {floor / none_ms:.2f} times the "
+        f"{none_ms:.1f} ms per token without a distribution."
+    )
 
 
 def main():

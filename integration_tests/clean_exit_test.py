@@ -2,9 +2,10 @@
 
 `workers/exit_worker.py` trains under `DataParallel` on 2 gloo
 processes (asynchronous bucket all-reduces), then ends as a user's script
-does, without tearing the process group down itself: falling off its
-end or `sys.exit(0)` must give status 0 on every process, and an
-exception on every process its own status (1), never an abort at exit
+does: falling off its end, `sys.exit(0)`, or tearing the process group
+down itself (`torch.distributed.destroy_process_group()`, as torch asks)
+must give status 0 on every process, and an exception on every process
+its own status (1), never an abort at exit
 ("terminate called without an active exception", SIGABRT) as happened
 when the process group was left to the interpreter's finalization. The
 script run again under glibc's heap checks, with freed memory filled
@@ -26,7 +27,7 @@ ABORTS = ("terminate called", "SIGABRT", "Signal 6", "Fatal Python error")
 MALLOC_DEBUG = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 
 
-@pytest.mark.parametrize("ending", ["end", "sys_exit"])
+@pytest.mark.parametrize("ending", ["end", "sys_exit", "destroy"])
 def test_script_ends_with_status_zero(ending):
     harness.run_script(WORKER, 2, [ending], TIMEOUT, ROOT)
 

@@ -3,6 +3,8 @@
 Usage: exit_worker.py ENDING (under torchrun), ENDING being:
 - `end`: the script falls off its end;
 - `sys_exit`: it calls `sys.exit(0)`;
+- `destroy`: it calls `torch.distributed.destroy_process_group()` (as
+  torch asks scripts to) and falls off its end;
 - `raise`: every process raises a `ValueError`.
 
 Before ending, it trains a small model under `DataParallel` with one
@@ -10,8 +12,8 @@ gradient per bucket (`KERAS_DTENSOR_BUCKET_CAP_MB=0`: every bucket's
 all-reduce is asynchronous), predicts, and prints a line; where
 `EXIT_WORKER_LOSSES` names a folder, each process writes its losses
 there (`rank<N>.json`). The process group is the one
-`keras.distribution.initialize()` made; the script does not tear it down
-itself.
+`keras.distribution.initialize()` made; but under `destroy`, the script
+leaves its teardown to Keras.
 """
 
 import json
@@ -56,6 +58,10 @@ def main(ending):
     train()
     if ending == "sys_exit":
         sys.exit(0)
+    if ending == "destroy":
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
     if ending == "raise":
         raise ValueError("the script's own error")
 

@@ -235,15 +235,17 @@ def destroy_at_exit():
 
 
 def destroy_process_group():
-    """Destroys every process group, if the default one is still up.
+    """Destroys every process group, if the default one is still up, then
+    lets gloo's threads drop their works; both at exit.
 
     It issues no collective, so a process may reach it alone: when one
     process raised and the others wait in a collective, the others fail
-    at its timeout, then tear down.
+    at its timeout, then tear down. A script that destroyed its groups
+    itself, as torch asks, still gets the pause: its groups' threads
+    outlive the destruction as much.
     """
-    if not dist.is_initialized():
-        return
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     # Gloo's worker threads outlive `destroy_process_group` (they stop
     # with the group's C++ object, freed with its last reference) and drop
     # each work they ran after marking it done. A work dropped once the

@@ -101,7 +101,7 @@ def test_the_groups_are_destroyed_once_at_exit():
     assert completed.stdout.split() == ["initialized", "True", "destroyed"]
 
 
-def test_the_teardown_destroys_the_groups_once():
+def test_the_teardown_destroys_the_groups_once_and_always_drains():
     calls = []
     with mock.patch.object(process_group, "WORKER_DRAIN_SECONDS", 0):
         with mock.patch.object(process_group.dist, "is_initialized") as up:
@@ -110,8 +110,14 @@ def test_the_teardown_destroys_the_groups_once():
                 "destroy_process_group",
                 lambda: calls.append("destroyed"),
             ):
-                up.return_value = True
-                process_group.destroy_process_group()
-                up.return_value = False
-                process_group.destroy_process_group()
-    assert calls == ["destroyed"]
+                with mock.patch.object(
+                    process_group.time,
+                    "sleep",
+                    lambda seconds: calls.append("drained"),
+                ):
+                    up.return_value = True
+                    process_group.destroy_process_group()
+                    # Destroyed by the script itself: drained all the same.
+                    up.return_value = False
+                    process_group.destroy_process_group()
+    assert calls == ["destroyed", "drained", "drained"]
