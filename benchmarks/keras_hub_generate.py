@@ -250,10 +250,12 @@ def _collective_floor(row, rows, args):
     none_ms = statistics.median(none["ms_per_token"])
     return (
         f"\n{row['model']} {row['mode']}: {per_token:.1f} collectives per "
-        f"call of the model (prompt, then each token), each an all-reduce "
-        f"of about {moves['all-reduce ms']:.2f} ms here: {floor:.1f} ms per "
-        f"token in collectives alone, {floor / none_ms:.2f} times the "
-        f"{none_ms:.1f} ms per token without a distribution."
+        "call of the model (the prompt's, then each token's); at the "
+        f"latency of one all-reduce alone ({moves['all-reduce ms']:.2f} ms "
+        f"here) they take at least {floor:.1f} ms per token, "
+        f"{floor / none_ms:.2f} times the {none_ms:.1f} ms per token without "
+        "a distribution; the rest is each process's own work and its waits "
+        "for the other."
     )
 
 
