@@ -102,9 +102,9 @@ cpu() {
         --dtype bfloat16 --save --paths slices --out "$OUT"
     run replicated_reads "$PYTHON" benchmarks/replicated_reads.py --out "$OUT"
     # keras-hub's Gemma generate() per token, none against (1, 2).
-    run n2_keras_hub_generate_459adec "$TORCHRUN" --nproc_per_node=2 \
+    run n2_keras_hub_generate_617675d "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_generate.py --new-tokens 16 --out "$OUT" \
-        --tag n2_keras_hub_generate_459adec
+        --tag n2_keras_hub_generate_617675d
 }
 
 gpu() {
