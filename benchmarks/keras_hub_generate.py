@@ -55,12 +55,16 @@ MODE_CALLS = "torch calls in the step's mode"
 COLLECTIVES = "collectives"
 
 
-def build(name, mode, preset):
-    """The causal LM `name` of `preset` under `mode`, greedy."""
+def build(name, mode, preset, lora_rank=0):
+    """The causal LM `name` of `preset` under `mode`, greedy; with LoRA
+    factors of `lora_rank` where it is not 0 (as after LoRA tuning, here
+    untrained)."""
     set_distribution(mode, BACKBONES[name])
     keras.utils.set_random_seed(1)
     config = PRESETS[preset]
     backbone = BACKBONES[name](**config["backbone"], **config.get(name, {}))
+    if lora_rank:
+        backbone.enable_lora(rank=lora_rank)
     model = CAUSAL_LMS[name](backbone=backbone, preprocessor=None)
     model.compile(sampler="greedy")
     return model
@@ -138,7 +142,7 @@ def run_model(name, args, inputs):
     """A row per mode: times per token, ratios, whether the tokens match
     and, under a distribution, one call's moves."""
     modes = ["none"] + [m for m in args.modes.split(",") if m != "none"]
-    models = {mode: build(name, mode, args.preset) for mode in modes}
+    models = {mode: build(name, mode, args.preset, args.lora) for mode in modes}
     wall = {mode: [] for mode in modes}
     cpu = {mode: [] for mode in modes}
     tokens = {}
@@ -197,7 +201,8 @@ def header(args):
         f"{torch.__version__}, keras {keras.__version__}, keras-hub "
         f"{keras_hub.__version__}; preset {args.preset}, {args.precision}, "
         f"4 prompts of {args.prompt} tokens, {args.new_tokens} new tokens, "
-        f"greedy; median of 3 calls per round, {args.rounds} rounds; "
+        f"greedy{f', LoRA rank {args.lora}' if args.lora else ''}; median "
+        f"of 3 calls per round, {args.rounds} rounds; "
         f"commit {commit}; load average at the end {load}"
     )
 
@@ -270,6 +275,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank.")
     parser.add_argument("--out", default=None, help="Results folder.")
     parser.add_argument("--tag", default="n2_keras_hub_generate")
     args = parser.parse_args()

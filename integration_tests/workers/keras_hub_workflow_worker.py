@@ -19,8 +19,7 @@ RUN being `MODEL:MESH:CHECKS`:
     `generate`: greedy `generate()` on a batch of two prompts of unequal
       length, on one prompt, and with a stop token;
     `jit`: the LoRA `fit` with `jit_compile=True`;
-    `kv1`: a model with one key/value head on the mesh (the ValueError);
-    `nolora`: the model built without LoRA (the others enable it).
+    `kv1`: a model with one key/value head on the mesh (the ValueError).
 
 For each MODEL and set of checks, the process first runs them without a
 distribution (the reference, `<MODEL>/reference/<CHECKS>/...`, where
@@ -195,15 +194,13 @@ def set_distribution(model, mesh):
     )
 
 
-def build(model, jit_compile=False, lora=True, **overrides):
-    """The causal LM of `model`, seeded, with LoRA enabled (rank 4) where
-    `lora` is True."""
+def build(model, jit_compile=False, **overrides):
+    """The causal LM of `model`, seeded, with LoRA enabled (rank 4)."""
     backbone_class, task_class, extra = MODELS[model]
     keras.utils.set_random_seed(1337)
     backbone = backbone_class(**{**COMMON, **extra, **overrides})
     task = task_class(backbone=backbone, preprocessor=None)
-    if lora:
-        task.backbone.enable_lora(rank=4)
+    task.backbone.enable_lora(rank=4)
     task.compile(
         optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -360,10 +357,10 @@ def placements_of(task, model):
     """The placements of a split kernel and of a LoRA variable."""
     variables = {v.path: v for v in task.weights}
     kernel = SPLIT_KERNEL.get(model, DEFAULT_SPLIT_KERNEL)
-    lora = [p for p in variables if p.endswith("lora_kernel_a")][:1]
+    lora = next(p for p in variables if p.endswith("lora_kernel_a"))
     return {
         path: [str(p) for p in variables[path].value.placements]
-        for path in (kernel, *lora)
+        for path in (kernel, lora)
     }
 
 
@@ -448,9 +445,7 @@ def run(spec, stop_tokens, run_dir):
         if "jit" in names:
             task = build(model, jit_compile=True, **JIT_CONFIG)
         else:
-            # `nolora`: no LoRA factors (whose zero-initialized product
-            # leaves the reference's tokens as they are).
-            task = build(model, lora="nolora" not in names)
+            task = build(model)
         record("placements", placements_of(task, model))
         if "jit" in names:
             stats = torch._dynamo.utils.counters["stats"]

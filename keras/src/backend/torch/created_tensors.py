@@ -183,6 +183,13 @@ def current_mode():
     return mode
 
 
+def current_call():
+    """The torch call the step's mode is running on this thread, as
+    `(func, args)` (None outside a step)."""
+    mode = getattr(_STATE, "mode", None)
+    return None if mode is None else mode.call
+
+
 def suspended():
     """Inside, torch functions run without the mode: tensors stay plain.
 
@@ -229,12 +236,16 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         # nothing has read yet, which its first write may lay out.
         self.fresh_clone = None
         self.just_cloned = None
+        self.call = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # This runs for every torch call of a step: membership and type
         # tests, which make no Python calls, keep the common path cheap.
         kwargs = kwargs or {}
         self.just_cloned, self.fresh_clone = self.fresh_clone, None
+        # The call whose dispatch redistributes its arguments, for
+        # `local_replays.note_redistribution`.
+        self.call = func, args
         if func in _HANDLERS:
             value = _HANDLERS[func](self, func, args, kwargs)
         else:

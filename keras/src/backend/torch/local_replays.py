@@ -2,7 +2,7 @@
 
 Without gradients, a layer split over a model axis runs on local tensors
 where its first call, run on DTensors and again locally, gives the same
-local outputs bit for bit (`inference_local_calls`). Two things the
+local outputs bit for bit (`inference_local_calls`). Three things the
 DTensor call does, a run on plain tensors would not:
 
 - **Reshapes by a global size.** keras-hub's attention layers reshape
@@ -15,17 +15,26 @@ DTensor call does, a run on plain tensors would not:
   output is all-reduced where the sublayer ends
   (`batch_local.partial_sums_reduced`): an attention layer's output
   projection, a decoder block's MLP.
+- **Replicated operands cut to a split one's shard.** An operation of a
+  split tensor and a replicated one takes the replicated one's chunk
+  that matches this process's shard, without a collective: a LoRA
+  layer's kernel, split by heads, plus the product of its replicated
+  factors.
 
-While the first call runs on DTensors (`recording`), both are noted in a
-`Record`: each reshape of a DTensor, by its local input shape and the
-shape asked for, with the local shape DTensor gave; and at each layer
-end (`layer_end`), which outputs were reduced over which mesh axes. The
-local runs then replay them (`replaying`): a reshape with a noted key
-asks for the noted local shape (a key noted with two results is not
-translated), and at the n-th layer end the outputs reduced at the first
-call's n-th layer end are all-reduced over the same axes, on the local
-tensors. Whether a local run computes exactly the DTensor call's local
-outputs is checked as before, bit for bit: the notes only let it try.
+While the first call runs on DTensors (`recording`), all three are
+noted in a `Record`: each reshape of a DTensor, by its local input shape
+and the shape asked for, with the local shape DTensor gave; at each
+layer end (`layer_end`), which outputs were reduced over which mesh
+axes; and each argument of a torch call that DTensor cut from replicated
+to split (`note_redistribution`), by the call and its arguments' local
+shapes, with the slices it took. The local runs then replay them
+(`replaying`): a reshape with a noted key asks for the noted local shape,
+a call with a noted key takes the noted slices of its arguments (a key
+noted with two results is not replayed), and at the n-th layer end the
+outputs reduced at the first call's n-th layer end are all-reduced over
+the same axes, on the local tensors. Whether a local run computes
+exactly the DTensor call's local outputs is checked as before, bit for
+bit: the notes only let it try.
 
 Contract: recording issues no collective and changes no value. A replay
 issues, at each layer end of the local run, the all-reduces the first
@@ -35,11 +44,15 @@ every process runs the same program, so they stay in lockstep.
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
 from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
+from keras.src.backend.torch.torch_internals import (
+    compute_local_shape_and_global_offset,
+)
 
 # A reshape noted with two different local results (never translated).
 _AMBIGUOUS = None
@@ -54,16 +67,32 @@ class Record:
         ends: the number of layer ends so far.
         reductions: layer end number -> ((output index, mesh, axes), ...)
             for the outputs reduced there.
+        cuts: (torch function, its arguments' local shapes) -> argument
+            index -> the slices of it DTensor took ((dim, start, length),
+            ...), or `_AMBIGUOUS`.
     """
 
     def __init__(self):
         self.shapes = {}
         self.ends = 0
         self.reductions = {}
+        self.cuts = {}
 
     def note_shape(self, key, local_shape):
         noted = self.shapes.get(key, local_shape)
         self.shapes[key] = local_shape if noted == local_shape else _AMBIGUOUS
+
+    def note_cut(self, key, index, slices):
+        """Notes that the call of `key` cut its argument `index` to
+        `slices` ((dim, start, length), ...)."""
+        cuts = self.cuts.get(key, {})
+        if cuts is _AMBIGUOUS:
+            return
+        if cuts.get(index, slices) != slices:
+            self.cuts[key] = _AMBIGUOUS
+            return
+        cuts[index] = slices
+        self.cuts[key] = cuts
 
     def note_end(self, reductions):
         if reductions:
@@ -86,6 +115,11 @@ class Replay:
 
     def __init__(self, record):
         self.shapes = record.translations()
+        self.cuts = {
+            key: cuts
+            for key, cuts in record.cuts.items()
+            if cuts is not _AMBIGUOUS
+        }
         self.reductions = record.reductions
         self.ends = 0
 
@@ -128,7 +162,9 @@ class replaying:
 
     def __init__(self, replay):
         self.replay = replay
-        self.mode = _LocalShapes(replay.shapes) if replay.shapes else None
+        self.mode = None
+        if replay.shapes or replay.cuts:
+            self.mode = _LocalRun(replay.shapes, replay.cuts)
 
     def __enter__(self):
         local_call_state.step_state().replays.append(self.replay)
@@ -141,22 +177,99 @@ class replaying:
         local_call_state.step_state().replays.pop()
 
 
-class _LocalShapes(TorchFunctionMode):
+class _LocalRun(TorchFunctionMode):
     """Reshapes whose (input shape, requested shape) is in `shapes` ask
-    for its local shape instead; every other call runs as it is."""
+    for its local shape instead; calls whose key is in `cuts` take the
+    noted slices of their arguments; every other call runs as it is."""
 
-    def __init__(self, shapes):
+    def __init__(self, shapes, cuts):
         super().__init__()
         self.shapes = shapes
+        self.cuts = cuts
+        self.cut_functions = {key[0] for key in cuts}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HANDLERS:
+        if func in self.cut_functions:
+            cuts = self.cuts.get((func, _local_shapes(args)))
+            if cuts is not None:
+                args = _cut(args, cuts)
+        if func in HANDLERS and self.shapes:
             requested = _requested_shape(args, kwargs)
             shape = self.shapes.get((tuple(args[0].shape), requested))
             if shape is not None:
                 return func(args[0], shape)
         return func(*args, **kwargs)
+
+
+def _local_shapes(args):
+    """The local shape of each tensor argument (None for the others)."""
+    return tuple(
+        tuple(torch_internals.local_tensor(arg).shape)
+        if type(arg) is DTensor
+        else (tuple(arg.shape) if isinstance(arg, torch.Tensor) else None)
+        for arg in args
+    )
+
+
+def _cut(args, cuts):
+    args = list(args)
+    for index, slices in cuts.items():
+        for dim, start, length in slices:
+            args[index] = args[index].narrow(dim, start, length)
+    return tuple(args)
+
+
+def note_redistribution(local, current, target, call):
+    """Notes, in the open recordings, a redistribution that cuts `local`
+    from replicated to split (on every mesh axis it changes), as an
+    argument of `call`, the torch call the step runs (`(func, args)`)."""
+    records = local_call_state.step_state().recordings
+    if not records or call is None:
+        return
+    slices = _cut_slices(current, target)
+    if not slices:
+        return
+    func, args = call
+    for index, arg in enumerate(args):
+        if type(arg) is DTensor and torch_internals.local_tensor(arg) is local:
+            key = (func, _local_shapes(args))
+            for record in records:
+                record.note_cut(key, index, slices)
+            return
+
+
+def _cut_slices(current, target):
+    """((dim, start, length), ...) of the local tensor of `current` that
+    is that of `target`, where every changed mesh axis goes from
+    replicated to a plain shard; else None."""
+    changed = [
+        (have, want)
+        for have, want in zip(current.placements, target.placements)
+        if have != want
+    ]
+    if not changed or not all(
+        have.is_replicate() and type(want) is Shard for have, want in changed
+    ):
+        return None
+    shape = current.tensor_meta.shape
+    mesh = current.mesh
+    have_shape, have_offset = compute_local_shape_and_global_offset(
+        shape, mesh, current.placements
+    )
+    want_shape, want_offset = compute_local_shape_and_global_offset(
+        shape, mesh, target.placements
+    )
+    return tuple(
+        (dim, want_offset[dim] - have_offset[dim], want_shape[dim])
+        for dim in range(len(shape))
+        if want_shape[dim] != have_shape[dim]
+    )
+
+
+def recordings_open():
+    """Whether a recording is open on this thread."""
+    return bool(local_call_state.step_state().recordings)
 
 
 def active():

@@ -81,6 +81,28 @@ class RecordTest(LocalCallTestCase):
         with self.assertRaises(RuntimeError):
             x.reshape(4, 3, 2)
 
+    def test_a_cut_noted_once_is_replayed(self):
+        record = local_replays.Record()
+        key = (torch.add, ((2, 3), (4, 3)))
+        record.note_cut(key, 1, ((0, 2, 2),))
+        record.note_cut(key, 1, ((0, 2, 2),))
+        other = (torch.add, ((1, 3), (2, 3)))
+        record.note_cut(other, 1, ((0, 0, 1),))
+        record.note_cut(other, 1, ((0, 1, 1),))
+        replay = local_replays.Replay(record)
+        self.assertEqual(replay.cuts, {key: {1: ((0, 2, 2),)}})
+        shard = torch.zeros(2, 3)
+        whole = torch.arange(12.0).reshape(4, 3)
+        with local_replays.replaying(replay):
+            # The replicated operand's rows 2 and 3, as DTensor cut it.
+            total = torch.add(shard, whole)
+            # Another call, or other shapes: as they are.
+            product = torch.mul(torch.ones(4, 3), whole)
+        self.assertTrue(torch.equal(total, whole[2:]))
+        self.assertTrue(torch.equal(product, whole))
+        with self.assertRaises(RuntimeError):
+            torch.add(shard, whole)
+
     def test_paused_recordings_note_nothing(self):
         with local_replays.recording() as record:
             with local_replays.paused():

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import created_tensors
+from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.torch_internals import DTensorSpec
 
@@ -62,6 +63,10 @@ def skipping_unit_axes(redistribute):
             if reduced is not current:
                 local = redistribute(local, current, reduced, **kwargs)
                 current = reduced
+            if local_replays.recordings_open():
+                local_replays.note_redistribution(
+                    local, current, target, created_tensors.current_call()
+                )
         return redistribute(local, current, target, **kwargs)
 
     redistribute_local_tensor.keras_skips_unit_axes = True
