@@ -194,7 +194,7 @@ class _LocalRun(TorchFunctionMode):
             cuts = self.cuts.get((func, _local_shapes(args)))
             if cuts is not None:
                 args = _cut(args, cuts)
-        if func in HANDLERS and self.shapes:
+        if func in HANDLERS and self.shapes and args:
             requested = _requested_shape(args, kwargs)
             shape = self.shapes.get((tuple(args[0].shape), requested))
             if shape is not None:
@@ -321,11 +321,14 @@ def _reductions(outputs):
 
 
 def _reduced_axes(value):
+    # Partial sums only (a replay all-reduces by sum): a layer end that
+    # reduces another kind is not noted, and its collective, uncounted,
+    # keeps the layer on DTensors (`inference_local_calls`).
     mesh = value.device_mesh
     return tuple(
         axis
         for axis, placement in enumerate(value.placements)
-        if placement.is_partial() and mesh.size(axis) > 1
+        if placement.is_partial("sum") and mesh.size(axis) > 1
     )
 
 
@@ -361,7 +364,7 @@ def _reshape(mode, func, args, kwargs):
     """A step's reshape, noted in the open recordings."""
     value = func(*args, **kwargs)
     records = local_call_state.step_state().recordings
-    if records and type(args[0]) is DTensor and type(value) is DTensor:
+    if records and args and type(args[0]) is DTensor and type(value) is DTensor:
         requested = _requested_shape(args, kwargs)
         if requested is not None:
             key = (
