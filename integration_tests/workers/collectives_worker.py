@@ -202,8 +202,8 @@ CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 @contextlib.contextmanager
 def step_events():
     """Records `_EVENTS` (cleared first) while the block runs."""
-    from keras.src.backend.torch import batch_reductions
     from keras.src.backend.torch import reducer
+    from keras.src.backend.torch import torch_runtime
 
     def noting(event, function):
         def noted(*args, **kwargs):
@@ -215,7 +215,9 @@ def step_events():
 
     _EVENTS.clear()
     finish = reducer._finish_backward
-    all_reduce = batch_reductions._all_reduce_sum
+    # The all-reduce of a loss reduced on local tensors
+    # (`batch_reductions`); a training step makes no other.
+    all_reduce = torch_runtime.all_reduce_sum
     with (
         mock.patch.object(
             reducer,
@@ -223,8 +225,8 @@ def step_events():
             noting("gradients reduced", finish),
         ),
         mock.patch.object(
-            batch_reductions,
-            "_all_reduce_sum",
+            torch_runtime,
+            "all_reduce_sum",
             noting("loss all-reduced", all_reduce),
         ),
     ):
