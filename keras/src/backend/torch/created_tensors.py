@@ -244,12 +244,14 @@ class _ReplicateCreatedTensors(TorchFunctionMode):
         kwargs = kwargs or {}
         self.just_cloned, self.fresh_clone = self.fresh_clone, None
         # The call whose dispatch redistributes its arguments, for
-        # `local_replays.note_redistribution`.
+        # `local_replays.note_redistribution`; dropped when it returns,
+        # not held (with its arguments) through backward.
         self.call = func, args
         if func in _HANDLERS:
             value = _HANDLERS[func](self, func, args, kwargs)
         else:
             value = func(*args, **kwargs)
+        self.call = None
         if type(value) is DTensor and MaskPartial in map(
             type, torch_internals.spec_of(value).placements
         ):
