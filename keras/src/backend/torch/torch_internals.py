@@ -31,10 +31,9 @@ OutputSharding = _op_schema.OutputSharding
 StridedShard = placement_types._StridedShard
 MaskPartial = placement_types._MaskPartial
 # The functional collectives DTensor issues, and their pending results.
-functional_collectives = funcol
-# torch 2.13 names the functional all-gather and reduce-scatter `*_single`
-# and warns (FutureWarning) on each eager call of the old `*_tensor` names,
-# which are all torch 2.11 has.
+# torch 2.13 names the all-gather and reduce-scatter `*_single` and warns
+# (FutureWarning) on each eager call of the old `*_tensor` names, which
+# are all torch 2.11 has.
 all_gather_single = getattr(
     funcol, "all_gather_single", funcol.all_gather_tensor
 )
