@@ -19,7 +19,9 @@ token from below. Run it under torchrun:
     KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
         benchmarks/keras_hub_generate.py --new-tokens 16
 
-Defaults: Gemma, the `mid` preset, `mp`. `--out` writes the report
+`--lora 0,4` times each model without LoRA factors, then with factors
+of rank 4 (as after LoRA tuning). Defaults: Gemma, the `mid` preset,
+`mp`, no LoRA. `--out` writes the report
 (`<tag>.md`, `<tag>.json`) there; the exit status is 1 when tokens differ.
 """
 
@@ -138,11 +140,11 @@ def all_reduce_ms(hidden_dim):
     return 1000 * statistics.median(times)
 
 
-def run_model(name, args, inputs):
+def run_model(name, lora_rank, args, inputs):
     """A row per mode: times per token, ratios, whether the tokens match
     and, under a distribution, one call's moves."""
     modes = ["none"] + [m for m in args.modes.split(",") if m != "none"]
-    models = {mode: build(name, mode, args.preset, args.lora) for mode in modes}
+    models = {mode: build(name, mode, args.preset, lora_rank) for mode in modes}
     wall = {mode: [] for mode in modes}
     cpu = {mode: [] for mode in modes}
     tokens = {}
@@ -164,7 +166,7 @@ def run_model(name, args, inputs):
             moves["all-reduce ms"] = round(all_reduce_ms(hidden), 3)
         rows.append(
             {
-                "model": name,
+                "model": f"{name}, LoRA {lora_rank}" if lora_rank else name,
                 "mode": mode,
                 "ms_per_token": wall[mode],
                 "cpu_ms_per_token": cpu[mode],
@@ -201,8 +203,7 @@ def header(args):
         f"{torch.__version__}, keras {keras.__version__}, keras-hub "
         f"{keras_hub.__version__}; preset {args.preset}, {args.precision}, "
         f"4 prompts of {args.prompt} tokens, {args.new_tokens} new tokens, "
-        f"greedy{f', LoRA rank {args.lora}' if args.lora else ''}; median "
-        f"of 3 calls per round, {args.rounds} rounds; "
+        f"greedy; median of 3 calls per round, {args.rounds} rounds; "
         f"commit {commit}; load average at the end {load}"
     )
 
@@ -275,7 +276,11 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--lora", type=int, default=0, help="LoRA rank.")
+    parser.add_argument(
+        "--lora",
+        default="0",
+        help="LoRA ranks, comma-separated; 0: no LoRA factors.",
+    )
     parser.add_argument("--out", default=None, help="Results folder.")
     parser.add_argument("--tag", default="n2_keras_hub_generate")
     args = parser.parse_args()
@@ -289,7 +294,8 @@ def main():
     inputs = {"token_ids": ids, "padding_mask": (ids > 0).astype("int32")}
     rows = []
     for name in args.models.split(","):
-        rows.extend(run_model(name, args, inputs))
+        for lora_rank in (int(rank) for rank in args.lora.split(",")):
+            rows.extend(run_model(name, lora_rank, args, inputs))
     if dist.get_rank() == 0:
         text = report(rows, args)
         print(text, flush=True)
