@@ -94,7 +94,7 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
     plan = plans[key]
     if plan is None:
         return on_dtensors()
-    outputs = _run_locally(layer, upstream_call, args, kwargs, plan.record)
+    outputs = _run_locally(layer, upstream_call, args, kwargs, plan.replay)
     specs = iter(plan.outputs)
     computed = local_call_state.caches().computed
     return local_calls.map_tensors(
@@ -132,9 +132,10 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
     before = _Before(layer, mesh)
     with local_replays.recording() as record:
         outputs = on_dtensors()
+    replay = local_replays.ReplayPlan(record)
     with local_replays.paused():
         exact = before.unchanged(layer) and _runs_locally_alike(
-            layer, upstream_call, args, kwargs, outputs, record
+            layer, upstream_call, args, kwargs, outputs, replay
         )
         agreed = _everywhere(exact, mesh)
     if not agreed:
@@ -143,7 +144,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
         local_call_checks.output_spec(leaf, leaf.device_mesh)
         for leaf in local_call_checks.tensor_leaves(outputs)
     )
-    return outputs, _Plan(specs, record)
+    return outputs, _Plan(specs, replay)
 
 
 class _Plan(NamedTuple):
@@ -152,12 +153,12 @@ class _Plan(NamedTuple):
     Attributes:
         outputs: per tensor output, its local shape, spec and gradient
             placements (`local_call_checks.output_spec`).
-        record: what its local runs replay of its first call
-            (`local_replays.Record`).
+        replay: what its local runs replay of its first call
+            (`local_replays.ReplayPlan`).
     """
 
     outputs: tuple
-    record: local_replays.Record
+    replay: local_replays.ReplayPlan
 
 
 class _Before:
@@ -212,8 +213,8 @@ def _groups(mesh):
     return groups
 
 
-def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, record):
-    """Whether the call run on local tensors (replaying `record`) returns,
+def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, replay):
+    """Whether the call run on local tensors (replaying `replay`) returns,
     for each DTensor output, its local tensor exactly (and no other
     tensor)."""
     expected = local_call_checks.tensor_leaves(outputs)
@@ -223,7 +224,7 @@ def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, record):
     ):
         return False
     try:
-        local = _run_locally(layer, upstream_call, args, kwargs, record)
+        local = _run_locally(layer, upstream_call, args, kwargs, replay)
     except Exception:
         # The layer cannot run on local tensors (a shape made from a
         # global size): it runs on DTensors.
@@ -248,18 +249,21 @@ def _everywhere(exact, mesh):
     return bool(verdict.item())
 
 
-def _run_locally(layer, upstream_call, args, kwargs, record):
+def _run_locally(layer, upstream_call, args, kwargs, replay):
     """Calls the layer on the local tensors of its arguments, variables
     read as their local tensors, the step's torch function mode
-    suspended, replaying what `record` noted of its first call."""
+    suspended, replaying `replay` (a `local_replays.ReplayPlan`)."""
     args, kwargs = local_calls.map_tensors(
         (args, kwargs), local_calls.local_tensor_of
     )
     state = local_call_state.step_state()
     state.local_calls += 1
     try:
-        replay = local_replays.Replay(record)
-        with _LocalVariables(), _plain(), local_replays.replaying(replay):
+        with (
+            _LocalVariables(),
+            _plain(),
+            local_replays.replaying(local_replays.Replay(replay)),
+        ):
             return upstream_call(layer, *args, **kwargs)
     finally:
         state.local_calls -= 1

@@ -109,9 +109,10 @@ class Record:
         }
 
 
-class Replay:
-    """What a local run replays: a record's translations and reductions,
-    and how many layer ends the run has reached."""
+class ReplayPlan:
+    """What the local runs of a first call replay, made once from its
+    `Record`: the reshapes and cuts to take (noted once), and the
+    reductions at layer ends."""
 
     def __init__(self, record):
         self.shapes = record.translations()
@@ -120,7 +121,16 @@ class Replay:
             for key, cuts in record.cuts.items()
             if cuts is not _AMBIGUOUS
         }
+        self.cut_functions = frozenset(key[0] for key in self.cuts)
         self.reductions = record.reductions
+
+
+class Replay:
+    """One local run's replay of a `ReplayPlan`: the plan, and how many
+    layer ends the run has reached."""
+
+    def __init__(self, plan):
+        self.plan = plan
         self.ends = 0
 
 
@@ -162,9 +172,8 @@ class replaying:
 
     def __init__(self, replay):
         self.replay = replay
-        self.mode = None
-        if replay.shapes or replay.cuts:
-            self.mode = _LocalRun(replay.shapes, replay.cuts)
+        plan = replay.plan
+        self.mode = _LocalRun(plan) if plan.shapes or plan.cuts else None
 
     def __enter__(self):
         local_call_state.step_state().replays.append(self.replay)
@@ -178,25 +187,25 @@ class replaying:
 
 
 class _LocalRun(TorchFunctionMode):
-    """Reshapes whose (input shape, requested shape) is in `shapes` ask
-    for its local shape instead; calls whose key is in `cuts` take the
-    noted slices of their arguments; every other call runs as it is."""
+    """Reshapes whose (input shape, requested shape) is in the plan's
+    `shapes` ask for its local shape instead; calls whose key is in its
+    `cuts` take the noted slices of their arguments; every other call
+    runs as it is."""
 
-    def __init__(self, shapes, cuts):
+    def __init__(self, plan):
         super().__init__()
-        self.shapes = shapes
-        self.cuts = cuts
-        self.cut_functions = {key[0] for key in cuts}
+        self.plan = plan
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.cut_functions:
-            cuts = self.cuts.get((func, _local_shapes(args)))
+        plan = self.plan
+        if func in plan.cut_functions:
+            cuts = plan.cuts.get((func, _local_shapes(args)))
             if cuts is not None:
                 args = _cut(args, cuts)
-        if func in HANDLERS and self.shapes and args:
+        if func in HANDLERS and plan.shapes and args:
             requested = _requested_shape(args, kwargs)
-            shape = self.shapes.get((tuple(args[0].shape), requested))
+            shape = plan.shapes.get((tuple(args[0].shape), requested))
             if shape is not None:
                 return func(args[0], shape)
         return func(*args, **kwargs)
@@ -334,7 +343,7 @@ def _reduced_axes(value):
 
 def _replayed(replay, outputs):
     """`outputs` with the replay's reductions at this layer end."""
-    reductions = replay.reductions.get(replay.ends, ())
+    reductions = replay.plan.reductions.get(replay.ends, ())
     replay.ends += 1
     if not reductions:
         return outputs, reductions

@@ -70,7 +70,8 @@ class RecordTest(LocalCallTestCase):
         record = local_replays.Record()
         record.note_shape(((2, 6), (4, 3, 2)), (2, 3, 2))
         x = torch.arange(12.0).reshape(2, 6)
-        with local_replays.replaying(local_replays.Replay(record)):
+        replay = local_replays.Replay(local_replays.ReplayPlan(record))
+        with local_replays.replaying(replay):
             shapes = [
                 tuple(torch.reshape(x, (4, 3, 2)).shape),
                 tuple(x.reshape((4, 3, 2)).shape),
@@ -89,8 +90,8 @@ class RecordTest(LocalCallTestCase):
         other = (torch.add, ((1, 3), (2, 3)))
         record.note_cut(other, 1, ((0, 0, 1),))
         record.note_cut(other, 1, ((0, 1, 1),))
-        replay = local_replays.Replay(record)
-        self.assertEqual(replay.cuts, {key: {1: ((0, 2, 2),)}})
+        replay = local_replays.Replay(local_replays.ReplayPlan(record))
+        self.assertEqual(replay.plan.cuts, {key: {1: ((0, 2, 2),)}})
         shard = torch.zeros(2, 3)
         whole = torch.arange(12.0).reshape(4, 3)
         with local_replays.replaying(replay):
@@ -139,7 +140,7 @@ class LayerEndReplayTest(LocalCallTestCase):
         record.note_end(())
         record.note_end(((1, mesh, (0,)),))
         record.note_end(())
-        replay = local_replays.Replay(record)
+        replay = local_replays.Replay(local_replays.ReplayPlan(record))
         counts = []
         with local_replays.replaying(replay):
             for _ in range(3):
