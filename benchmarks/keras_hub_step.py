@@ -314,17 +314,21 @@ def collective_counts(events):
 def dtensor_layers(model):
     """Names of the layers that ran on DTensors rather than locally.
 
-    A layer whose checked first call did not prove it local to each batch
-    shard runs on DTensors (`batch_local`); its sublayers are then checked
-    in turn.
+    A layer whose checked first calls did not prove it local (to each
+    batch shard, `batch_local`, or to its shards, with gradients or
+    without) runs on DTensors; its sublayers are then checked in turn.
     """
     from keras.src.backend.torch import batch_local
 
     layers = [model] + list(model._flatten_layers(include_self=False))
+    # A layer with no plan but None never ran locally; one proven local
+    # with gradients or without (`training_local_calls`,
+    # `inference_local_calls`) has a plan besides.
     return [
         layer.name
         for layer in layers
-        if None in batch_local.plans_of(layer).values()
+        if batch_local.plans_of(layer)
+        and all(plan is None for plan in batch_local.plans_of(layer).values())
     ]
 
 

@@ -191,6 +191,17 @@ def test_tensor_parallel_layers_generate_on_local_shards(launches):
         } <= set(got["generate/local_layers"])
 
 
+def test_tensor_parallel_layers_train_on_local_shards(launches):
+    # Gemma's projections (those with LoRA factors too), MLP and rotary
+    # embedding, split by heads, reproduce their DTensor calls and
+    # gradients on local shards (`training_local_calls`); the LoRA `fit`
+    # above equals one process's.
+    for got, _ in values(launches, f"gemma:1x2:{WORKFLOW}"):
+        assert {"EinsumDense", "RotaryEmbedding"} <= set(
+            got["tune/local_layers"]
+        )
+
+
 @pytest.mark.parametrize("run", runs_with("generate"))
 def test_stop_token_ends_generation(launches, run):
     for got, ref in values(launches, run):

@@ -143,6 +143,8 @@ MODULE_PATCHES = (
         [
             T + "batch_local.py",
             T + "inference_local_calls.py",
+            T + "training_local_calls.py",
+            T + "gradient_comparisons.py",
             T + "local_call_checks.py",
             T + "local_call_state.py",
             T + "local_calls.py",

@@ -257,6 +257,8 @@ def tune(task):
         max_difference(frozen, task.non_trainable_weights),
     )
     record("lora_moved", max_difference(lora, task.trainable_weights))
+    if keras.distribution.distribution() is not None:
+        record("tune/local_layers", local_layers(task, "training"))
 
 
 def max_difference(before, variables):
@@ -294,20 +296,27 @@ def generate(task, stop_token=None):
     stopped = task.generate(two, stop_token_ids=[stop_token])
     record_generated("generate/stopped", stopped)
     if keras.distribution.distribution() is not None:
-        record("generate/local_layers", local_layers(task))
+        record("generate/local_layers", local_layers(task, "inference"))
     return stop_token
 
 
-def local_layers(task):
-    """The classes of the layers that `generate()` ran on local shards
-    without a batch-local plan (`inference_local_calls`)."""
+def local_layers(task, path):
+    """The classes of the layers that ran on local shards without a
+    batch-local plan, without gradients (`path` "inference",
+    `inference_local_calls`) or with them ("training",
+    `training_local_calls`)."""
     from keras.src.backend.torch import inference_local_calls
+    from keras.src.backend.torch import training_local_calls
 
+    paths = {
+        "inference": inference_local_calls,
+        "training": training_local_calls,
+    }
     return sorted(
         {
             type(layer).__name__
             for layer in task._flatten_layers()
-            if inference_local_calls.runs_locally(layer)
+            if paths[path].runs_locally(layer)
         }
     )
 

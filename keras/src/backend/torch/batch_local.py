@@ -46,6 +46,7 @@ from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch import torch_runtime
+from keras.src.backend.torch import training_local_calls
 from keras.src.distribution import distribution_lib
 
 ENABLED_ENV_VAR = "KERAS_DTENSOR_BATCH_LOCAL"
@@ -152,18 +153,19 @@ def _call_layer(layer, upstream_call, args, kwargs):
 def _not_batch_local(
     layer, upstream_call, args, kwargs, mode, signature, leaves
 ):
-    """A call that is not batch-local: without gradients, local where it
-    reproduces its DTensor call (`inference_local_calls`); else on
-    DTensors."""
+    """A call that is not batch-local: local where it reproduces its
+    DTensor call, without gradients (`inference_local_calls`) or with
+    them (`training_local_calls`); else on DTensors."""
 
     def on_dtensors():
         return _call_on_dtensors(layer, upstream_call, args, kwargs, mode)
 
-    if not inference_local_calls.applies(leaves, mode.mesh):
-        return on_dtensors()
-    return inference_local_calls.call_layer(
-        layer, upstream_call, args, kwargs, signature, on_dtensors
-    )
+    for path in (inference_local_calls, training_local_calls):
+        if path.applies(leaves, mode.mesh):
+            return path.call_layer(
+                layer, upstream_call, args, kwargs, signature, on_dtensors
+            )
+    return on_dtensors()
 
 
 def _call_on_dtensors(layer, upstream_call, args, kwargs, mode):

@@ -84,38 +84,57 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
         on_dtensors: a function of no argument making the call on
             DTensors, as `batch_local` does.
     """
-    plans = local_call_state.caches().plans.setdefault(layer, {})
-    key = (_KEY, signature)
-    if key not in plans:
-        outputs, plans[key] = _check_first_call(
+
+    def run_locally(plan):
+        outputs = _run_locally(layer, upstream_call, args, kwargs, plan.replay)
+        return local_calls.as_dtensors(layer, outputs, plan.outputs)
+
+    return checked_call(
+        layer,
+        (_KEY, signature),
+        lambda: _check_first_call(
             layer, upstream_call, args, kwargs, on_dtensors
-        )
+        ),
+        run_locally,
+        on_dtensors,
+    )
+
+
+def checked_call(layer, key, check, run_locally, on_dtensors):
+    """A call on a path whose first call per `key` is checked: this one's
+    and `training_local_calls`'.
+
+    Args:
+        layer: the Keras layer.
+        key: `(path, signature)`, the plan's key among the layer's
+            `batch_local` plans.
+        check: a function of no argument making the first call; returns
+            its outputs and the plan (None: the layer runs on DTensors).
+        run_locally: a function of the plan making a local call.
+        on_dtensors: a function of no argument making the call on
+            DTensors.
+    """
+    plans = local_call_state.caches().plans.setdefault(layer, {})
+    if key not in plans:
+        outputs, plans[key] = check()
         return outputs
     plan = plans[key]
     if plan is None:
         return on_dtensors()
-    outputs = _run_locally(layer, upstream_call, args, kwargs, plan.replay)
-    specs = iter(plan.outputs)
-    computed = local_call_state.caches().computed
-    return local_calls.map_tensors(
-        outputs,
-        lambda local: local_calls.as_dtensor(
-            layer, local, next(specs), computed
-        ),
-    )
+    return run_locally(plan)
 
 
 # Marks this path's plans among a layer's `batch_local` plans.
 _KEY = "inference"
 
 
-def runs_locally(layer):
-    """Whether a call of `layer` on this path was proven local (for
-    tests and reports)."""
+def runs_locally(layer, path=_KEY):
+    """Whether a call of `layer` on a `path` ("inference", this one's, or
+    "training") was proven local (for tests and reports)."""
     return any(
         plan is not None
         for key, plan in local_call_state.caches().plans.get(layer, {}).items()
-        if type(key) is tuple and key[:1] == (_KEY,)
+        if type(key) is tuple and key[:1] == (path,)
     )
 
 
@@ -129,7 +148,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
     mesh = torch_internals.spec_of(
         local_call_checks.tensor_leaves((args, kwargs))[0]
     ).mesh
-    before = _Before(layer, mesh)
+    before = Before(layer, mesh)
     with local_replays.recording() as record:
         outputs = on_dtensors()
     replay = local_replays.ReplayPlan(record)
@@ -137,7 +156,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
         exact = before.unchanged(layer) and _runs_locally_alike(
             layer, upstream_call, args, kwargs, outputs, replay
         )
-        agreed = _everywhere(exact, mesh)
+        agreed = agreed_everywhere(exact, mesh)
     if not agreed:
         return outputs, None
     specs = tuple(
@@ -161,7 +180,7 @@ class _Plan(NamedTuple):
     replay: local_replays.ReplayPlan
 
 
-class _Before:
+class Before:
     """What the DTensor call must leave unchanged: collectives issued on
     the mesh's groups and the default group (but verdicts and the
     all-reduces at layer ends), draws, effects, losses, generator
@@ -239,10 +258,10 @@ def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, replay):
     )
 
 
-def _everywhere(exact, mesh):
+def agreed_everywhere(exact, mesh):
     """Whether `exact` holds on every process: one all-reduce of its
     minimum over the default group, on every process alike."""
-    with _plain():
+    with plain():
         verdict = torch.tensor([int(exact)], device=mesh.device_type)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     local_call_state.step_state().verdicts += 1
@@ -261,7 +280,7 @@ def _run_locally(layer, upstream_call, args, kwargs, replay):
     try:
         with (
             _LocalVariables(),
-            _plain(),
+            plain(),
             local_replays.replaying(local_replays.Replay(replay)),
         ):
             return upstream_call(layer, *args, **kwargs)
@@ -269,7 +288,7 @@ def _run_locally(layer, upstream_call, args, kwargs, replay):
         state.local_calls -= 1
 
 
-def _plain():
+def plain():
     """A context where torch functions make plain tensors: the step's
     mode suspended, where it is the innermost one."""
     if created_tensors.current_mode() is None:
@@ -292,3 +311,11 @@ class _LocalVariables(StatelessScope):
         if isinstance(value, DTensor):
             return torch_internals.local_tensor(value)
         return value
+
+    def add_update(self, update):
+        # Not made on the variable: the check's local run fails, and the
+        # layer runs on DTensors.
+        variable, _ = update
+        raise RuntimeError(
+            f"Variable '{variable.path}' was assigned in a local run."
+        )

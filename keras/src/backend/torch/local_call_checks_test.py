@@ -69,7 +69,8 @@ class LocalCallChecksTest(batch_local_test.LocalCallTestCase):
         first, second = self.batch((4, 5), seed=1), self.batch((4, 5), seed=2)
         for x in (first, second):
             self.call_in_step(tracking, x)
-        self.assertEqual(self.plans(tracking), [None])
+        # Neither batch-local nor local to its shards with gradients.
+        self.assertEqual(self.plans(tracking), [None, None])
         expected = np.mean(
             [first.full_tensor().numpy(), second.full_tensor().numpy()]
         )

@@ -90,13 +90,17 @@ def call_locally(layer, upstream_call, args, kwargs, plan):
         outputs = _run_locally(layer, upstream_call, args, kwargs, plan)
     else:
         outputs = _recompute_locally(layer, upstream_call, args, kwargs, plan)
+    return as_dtensors(layer, outputs, plan.outputs)
+
+
+def as_dtensors(layer, outputs, output_specs):
+    """A local call's outputs as the DTensors its first call returned
+    (`as_dtensor`, one spec per tensor, in flattening order)."""
     computed = local_call_state.caches().computed
-    specs = iter(plan.outputs)
-
-    def to_dtensor(local):
-        return as_dtensor(layer, local, next(specs), computed)
-
-    return map_tensors(outputs, to_dtensor)
+    specs = iter(output_specs)
+    return map_tensors(
+        outputs, lambda local: as_dtensor(layer, local, next(specs), computed)
+    )
 
 
 def as_dtensor(layer, local, output_spec, computed):

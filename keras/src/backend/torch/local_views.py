@@ -96,6 +96,12 @@ class LocalView(torch.autograd.Function):
         if grad.stride() == spec.tensor_meta.stride:
             # A copy, as DTensor does: specs are not shared between tensors.
             spec = dtensor_layouts.copy_spec(spec)
+        elif any(p.is_shard() for p in spec.placements):
+            # A shard of a split gradient (`training_local_calls`): its
+            # strides are its own, the spec's the whole tensor's, made
+            # contiguous.
+            grad = grad.contiguous()
+            spec = dtensor_layouts.copy_spec(spec)
         else:
             spec = tensor_spec(spec.mesh, spec.placements, grad)
         return dtensor_layouts.dtensor_from_spec(grad, spec), None

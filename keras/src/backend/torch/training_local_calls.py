@@ -1,0 +1,374 @@
+"""Training calls on local shards, where they reproduce DTensor's, gradients
+included.
+
+A layer split over a model axis (keras-hub's query, key, value and output
+projections, its MLP's) is not batch-local (`batch_local`), and without
+gradients it runs locally where its first call proves it exact
+(`inference_local_calls`). With gradients on, a local run must also give
+each argument and each variable the gradient DTensor's backward would,
+and in its placements: a column-parallel layer's input gradient is a
+partial sum over the model axis, its kernel's gradient is split as the
+kernel.
+
+The first call of a layer with a signature runs on DTensors, noting what
+a local run must replay (`local_replays`: reshapes by global sizes and
+cuts of replicated operands). Where that call issued no collective (but
+its sublayers' verdicts), noted no layer end, drew nothing, noted no
+effect and added no loss on every process (a first verdict), the check
+runs the layer twice more on detached copies of its arguments and
+variables: on DTensors, and on their local tensors, replaying the notes;
+and takes both backward from the same cotangent (quasi-random values laid
+out as each output's gradient, `local_call_checks.output_spec`). The
+layer runs locally from then on where, on every process, the local run
+gave each output's and each gradient's local tensor bit for bit, and no
+tensor else (a second verdict). The gradients' placements are then
+DTensor's: a local call reads its arguments through
+`to_local(grad_placements=...)` and its variables through
+`local_views.LocalView` with those placements, and lays its outputs out
+as the first call's (`local_calls.as_dtensor`).
+
+Where the local run cut a replicated operand (a LoRA layer's factors'
+product; an input that a kernel split along its contracted axis meets),
+DTensor's backward keeps the cut operand's gradient split and the local
+run's pads it with zeros: such a gradient is taken as a partial sum over
+the axes of the cut (`gradient_comparisons`), which reduces to the same sum.
+
+Contract: a first call issues the DTensor call's collectives, then one
+all-reduce over every process (the first verdict), then, where that
+agreed, the collectives of the check's DTensor backward and a second
+verdict, in the same order on every process. A local call issues none in
+forward; in backward, only the redistributions of gradients that reach
+its outputs laid out otherwise than the check's cotangents (`FromLocal`).
+A layer whose call depends on values other than its first call's in a
+way the comparison cannot see is outside what the check proves, as in
+`inference_local_calls`.
+"""
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch import gradient_comparisons
+from keras.src.backend.torch import inference_local_calls
+from keras.src.backend.torch import local_call_checks
+from keras.src.backend.torch import local_call_state
+from keras.src.backend.torch import local_calls
+from keras.src.backend.torch import local_replays
+from keras.src.backend.torch import local_variables
+from keras.src.backend.torch import local_views
+from keras.src.backend.torch import torch_internals
+
+# Marks this path's plans among a layer's `batch_local` plans.
+_KEY = "training"
+
+
+def applies(leaves, mesh):
+    """Whether a call may take this path: gradients are recorded and its
+    tensor arguments (`leaves`) are DTensors on the step's `mesh`."""
+    return (
+        torch.is_grad_enabled()
+        and bool(leaves)
+        and all(leaf.device_mesh == mesh for leaf in leaves)
+    )
+
+
+def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
+    """Calls `layer` locally where its first call with `signature` proved
+    it exact, gradients included; else on DTensors (`on_dtensors()`).
+    The arguments are `inference_local_calls.call_layer`'s."""
+
+    def run_locally(plan):
+        if local_call_checks.remat_anywhere(layer, plan.sublayers):
+            return on_dtensors()
+        return _call_locally(layer, upstream_call, args, kwargs, plan)
+
+    return inference_local_calls.checked_call(
+        layer,
+        (_KEY, signature),
+        lambda: _check_first_call(
+            layer, upstream_call, args, kwargs, on_dtensors
+        ),
+        run_locally,
+        on_dtensors,
+    )
+
+
+def runs_locally(layer):
+    """Whether a call of `layer` on this path was proven local (for
+    tests and reports)."""
+    return inference_local_calls.runs_locally(layer, _KEY)
+
+
+class _Plan(NamedTuple):
+    """How a layer runs locally with a signature, gradients included.
+
+    Attributes:
+        outputs: per tensor output, its local shape, spec and gradient
+            placements (`local_call_checks.output_spec`).
+        replay: what its local runs replay of its first call
+            (`local_replays.ReplayPlan`).
+        arguments: per tensor argument, in flattening order, the spec of
+            its gradient (None: no gradient).
+        variables: id(variable) -> the spec of its gradient (None: no
+            gradient), for each variable the call read.
+        sublayers: the layer's sublayers in the first call.
+    """
+
+    outputs: tuple
+    replay: local_replays.ReplayPlan
+    arguments: tuple
+    variables: dict
+    sublayers: tuple
+
+
+def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
+    """Runs the call on DTensors, then, where that may run locally, the
+    check (`_gradients_alike`).
+
+    Returns:
+        The DTensor call's outputs, and the `_Plan` of its local calls,
+        or None where the layer must run on DTensors.
+    """
+    leaves = local_call_checks.tensor_leaves((args, kwargs))
+    mesh = torch_internals.spec_of(leaves[0]).mesh
+    before = inference_local_calls.Before(layer, mesh)
+    with local_replays.recording() as record:
+        outputs = on_dtensors()
+    replay = local_replays.ReplayPlan(record)
+    with local_replays.paused():
+        # The check's DTensor backward may communicate: every process
+        # runs it, or none.
+        candidate = inference_local_calls.agreed_everywhere(
+            before.unchanged(layer)
+            and not replay.reductions
+            and not local_call_checks.remat_anywhere(layer),
+            mesh,
+        )
+        gradients = None
+        if candidate:
+            gradients = _gradients_alike(
+                layer, upstream_call, args, kwargs, outputs, replay
+            )
+        if not candidate or not inference_local_calls.agreed_everywhere(
+            gradients is not None, mesh
+        ):
+            return outputs, None
+    specs = tuple(
+        local_call_checks.output_spec(leaf, leaf.device_mesh)
+        for leaf in local_call_checks.tensor_leaves(outputs)
+    )
+    arguments, variables = gradients
+    return outputs, _Plan(
+        specs,
+        replay,
+        arguments,
+        variables,
+        local_call_checks.sublayers(layer),
+    )
+
+
+def _gradients_alike(layer, upstream_call, args, kwargs, outputs, replay):
+    """Runs the layer on DTensors and on local tensors, each on detached
+    copies of its arguments and variables, and both backward.
+
+    Returns:
+        None unless the local run gave each output's local tensor and
+        each gradient's exactly; else the specs of the gradients of the
+        arguments, and of the variables by id.
+    """
+    expected = local_call_checks.tensor_leaves(outputs)
+    if not all(
+        type(leaf) is DTensor and getattr(leaf, "_keras_mask", None) is None
+        for leaf in expected
+    ):
+        return None
+    cotangents = [gradient_comparisons.cotangent(leaf) for leaf in expected]
+    try:
+        theirs = _run_detached(
+            layer, upstream_call, args, kwargs, cotangents, None
+        )
+    except Exception:
+        # DTensor's backward fails for the layer: it runs on DTensors.
+        return None
+    try:
+        mine = _run_detached(
+            layer,
+            upstream_call,
+            args,
+            kwargs,
+            [torch_internals.local_tensor(c) for c in cotangents],
+            replay,
+        )
+    except Exception:
+        # A shape made from a global size, or an operator refusing a
+        # shard: the layer runs on DTensors.
+        return None
+    local_outputs = [torch_internals.local_tensor(x) for x in expected]
+    if not gradient_comparisons.all_equal(mine[0], local_outputs):
+        return None
+    if theirs[2].keys() != mine[2].keys():
+        return None
+    rounding = bool(replay.cuts)
+    arguments = gradient_comparisons.gradient_specs(
+        theirs[1], mine[1], rounding
+    )
+    names = list(theirs[2])
+    variables = gradient_comparisons.gradient_specs(
+        [theirs[2][n] for n in names], [mine[2][n] for n in names], rounding
+    )
+    if arguments is None or variables is None:
+        return None
+    return arguments, dict(zip(names, variables))
+
+
+def _run_detached(layer, upstream_call, args, kwargs, cotangents, local):
+    """Calls the layer on detached copies of its tensor arguments and
+    variables and takes it backward from `cotangents`.
+
+    Args:
+        local: None for the run on DTensors; for the run on local tensors
+            (the step's mode suspended), the `local_replays.ReplayPlan`
+            it replays.
+
+    Returns:
+        The outputs' tensors, the gradients of the arguments (in
+        flattening order) and the gradients of the variables read (by
+        id; None where none flows).
+    """
+    if local is None:
+        copy, context = _dtensor_copy, contextlib.nullcontext()
+    else:
+        copy, context = _local_copy, _LocalContext(local)
+    arguments = []
+
+    def detached(value):
+        arguments.append(copy(value, value.is_floating_point()))
+        return arguments[-1]
+
+    args, kwargs = local_calls.map_tensors((args, kwargs), detached)
+    scope = _VariableReads(
+        layer, lambda variable, value: copy(value, value.requires_grad)
+    )
+    with context, scope:
+        outputs = local_call_checks.tensor_leaves(
+            upstream_call(layer, *args, **kwargs)
+        )
+    sources = arguments + list(scope.state_mapping.values())
+    pairs = [
+        (output, cotangent)
+        for output, cotangent in zip(outputs, cotangents)
+        if output.requires_grad
+    ]
+    wanted = [source for source in sources if source.requires_grad]
+    grads = iter(())
+    if pairs and wanted:
+        grads = iter(
+            torch.autograd.grad(
+                [output for output, _ in pairs],
+                wanted,
+                [cotangent for _, cotangent in pairs],
+                allow_unused=True,
+            )
+        )
+    found = [next(grads) if s.requires_grad else None for s in sources]
+    count = len(arguments)
+    return (
+        [output.detach() for output in outputs],
+        found[:count],
+        dict(zip(scope.state_mapping, found[count:])),
+    )
+
+
+def _dtensor_copy(value, requires_grad):
+    return value.detach().requires_grad_(requires_grad)
+
+
+def _local_copy(value, requires_grad):
+    local = torch_internals.local_tensor(value).detach()
+    return local.requires_grad_(requires_grad)
+
+
+class _LocalContext:
+    """The context of a local run: the step's mode suspended, the replay
+    on, counted as a local call."""
+
+    def __init__(self, replay):
+        self.plain = inference_local_calls.plain()
+        self.replaying = local_replays.replaying(local_replays.Replay(replay))
+
+    def __enter__(self):
+        local_call_state.step_state().local_calls += 1
+        self.plain.__enter__()
+        self.replaying.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            self.replaying.__exit__(*exc_info)
+            self.plain.__exit__(*exc_info)
+        finally:
+            local_call_state.step_state().local_calls -= 1
+        return False
+
+
+def _call_locally(layer, upstream_call, args, kwargs, plan):
+    """Runs the layer on local tensors with gradients, as its plan says,
+    and lays its outputs out as its first call's."""
+    specs = iter(plan.arguments)
+
+    def local(value):
+        spec = next(specs)
+        if spec is None or not value.requires_grad:
+            return torch_internals.local_tensor(value).detach()
+        return value.to_local(grad_placements=spec.placements)
+
+    def view(variable, value):
+        if id(variable) not in plan.variables:
+            raise RuntimeError(
+                f"{local_variables.describe(layer)} runs on local shards "
+                f"but read variable '{variable.path}', which its first "
+                "call did not read."
+            )
+        spec = plan.variables[id(variable)]
+        if spec is None or not value.requires_grad:
+            return torch_internals.local_tensor(value).detach()
+        # Its gradient laid out as the check found it.
+        return local_views.LocalView.apply(value, spec)
+
+    args, kwargs = local_calls.map_tensors((args, kwargs), local)
+    with _LocalContext(plan.replay), _VariableReads(layer, view):
+        outputs = upstream_call(layer, *args, **kwargs)
+    return local_calls.as_dtensors(layer, outputs, plan.outputs)
+
+
+class _VariableReads(StatelessScope):
+    """Reads each DTensor variable as `read(variable, value)` gives it,
+    once per scope (`state_mapping`, by id(variable), in reading order);
+    refuses assignments, which a local call cannot make (a check's run
+    then fails)."""
+
+    def __init__(self, layer, read):
+        super().__init__(initialize_variables=False)
+        self.layer = layer
+        self.read = read
+
+    def get_current_value(self, variable):
+        view = self.state_mapping.get(id(variable))
+        if view is not None:
+            return view
+        value = variable._value
+        if not isinstance(value, DTensor):
+            return value
+        view = self.read(variable, value)
+        self.state_mapping[id(variable)] = view
+        return view
+
+    def add_update(self, update):
+        variable, _ = update
+        raise RuntimeError(
+            f"{local_variables.describe(self.layer)} runs on local shards "
+            f"but assigned variable '{variable.path}'."
+        )
