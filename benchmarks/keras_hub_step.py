@@ -316,18 +316,29 @@ def dtensor_layers(model):
 
     A layer whose checked first calls did not prove it local (to each
     batch shard, `batch_local`, or to its shards, with gradients or
-    without) runs on DTensors; its sublayers are then checked in turn.
+    without) runs on DTensors, outside a layer proven local; its
+    sublayers are then checked in turn.
     """
     from keras.src.backend.torch import batch_local
 
     layers = [model] + list(model._flatten_layers(include_self=False))
     # A layer with no plan but None never ran locally; one proven local
     # with gradients or without (`training_local_calls`,
-    # `inference_local_calls`) has a plan besides.
+    # `inference_local_calls`) has a plan besides, and its sublayers run
+    # inside its local calls.
+    inside_local = {
+        id(sublayer)
+        for layer in layers
+        if any(
+            plan is not None for plan in batch_local.plans_of(layer).values()
+        )
+        for sublayer in layer._flatten_layers(include_self=False)
+    }
     return [
         layer.name
         for layer in layers
-        if batch_local.plans_of(layer)
+        if id(layer) not in inside_local
+        and batch_local.plans_of(layer)
         and all(plan is None for plan in batch_local.plans_of(layer).values())
     ]
 

@@ -193,13 +193,16 @@ def test_tensor_parallel_layers_generate_on_local_shards(launches):
 
 def test_tensor_parallel_layers_train_on_local_shards(launches):
     # Gemma's projections (those with LoRA factors too), MLP and rotary
-    # embedding, split by heads, reproduce their DTensor calls and
+    # embedding, split by heads, and its attention layers (whose output
+    # projection ends in an all-reduce) reproduce their DTensor calls and
     # gradients on local shards (`training_local_calls`); the LoRA `fit`
     # above equals one process's.
     for got, _ in values(launches, f"gemma:1x2:{WORKFLOW}"):
-        assert {"EinsumDense", "RotaryEmbedding"} <= set(
-            got["tune/local_layers"]
-        )
+        assert {
+            "EinsumDense",
+            "RotaryEmbedding",
+            "CachedGemmaAttention",
+        } <= set(got["tune/local_layers"])
 
 
 @pytest.mark.parametrize("run", runs_with("generate"))

@@ -213,12 +213,14 @@ def plans_of(layer):
 
 def local_calls_allowed():
     """Whether a call may run locally here: local calls are on, the step
-    is not being compiled, and no saved-tensor hooks are active (a local
-    call inside a checkpoint must take the path of its other pass)."""
+    is not being compiled, no saved-tensor hooks are active (a local
+    call inside a checkpoint must take the path of its other pass), and
+    no check runs a layer on DTensors (`training_local_calls`)."""
     return (
         ENABLED
         and not torch.compiler.is_compiling()
         and not local_calls.saved_tensors_hooked()
+        and not local_call_state.step_state().dtensor_checks
     )
 
 

@@ -49,6 +49,9 @@ class StepState(threading.local):
             innermost last.
         layer_end_collectives: process group -> the all-reduces issued
             on it at layer ends (`local_replays.layer_end`).
+        dtensor_checks: the number of check runs on DTensors running
+            (`training_local_calls`): inside one, every layer runs on
+            DTensors, reading the variables the check gives it.
     """
 
     def __init__(self):
@@ -61,6 +64,7 @@ class StepState(threading.local):
         self.recordings = []
         self.replays = []
         self.layer_end_collectives = collections.Counter()
+        self.dtensor_checks = 0
 
 
 # One object; `threading.local` gives each thread its own attributes.

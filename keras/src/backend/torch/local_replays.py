@@ -1,9 +1,10 @@
 """What a layer's local run replays of its first call on DTensors.
 
-Without gradients, a layer split over a model axis runs on local tensors
-where its first call, run on DTensors and again locally, gives the same
-local outputs bit for bit (`inference_local_calls`). Three things the
-DTensor call does, a run on plain tensors would not:
+A layer split over a model axis runs on local tensors where its first
+call, run on DTensors and again locally, gives the same local outputs
+bit for bit (`inference_local_calls`), and with gradients the same
+gradients too (`training_local_calls`). Three things the DTensor call
+does, a run on plain tensors would not:
 
 - **Reshapes by a global size.** keras-hub's attention layers reshape
   their queries to `(batch, length, num_key_value_heads, groups,
@@ -32,9 +33,10 @@ shapes, with the slices it took. The local runs then replay them
 a call with a noted key takes the noted slices of its arguments (a key
 noted with two results is not replayed), and at the n-th layer end the
 outputs reduced at the first call's n-th layer end are all-reduced over
-the same axes, on the local tensors. Whether a local run computes
-exactly the DTensor call's local outputs is checked as before, bit for
-bit: the notes only let it try.
+the same axes, on the local tensors, with the gradient DTensor gives
+such a reduction (`_ReducedSum`). Whether a local run computes exactly
+the DTensor call's local outputs is checked as before: the notes only
+let it try.
 
 Contract: recording issues no collective and changes no value. A replay
 issues, at each layer end of the local run, the all-reduces the first
@@ -350,10 +352,28 @@ def _replayed(replay, outputs):
     leaves, spec = torch_runtime.pytree.tree_flatten(outputs)
     for index, mesh, axes in reductions:
         for axis in axes:
-            leaves[index] = torch_runtime.all_reduce_sum(
-                leaves[index], mesh, axis
-            )
+            leaf = leaves[index]
+            if torch.is_grad_enabled() and leaf.requires_grad:
+                leaves[index] = _ReducedSum.apply(leaf, mesh, axis)
+            else:
+                leaves[index] = torch_runtime.all_reduce_sum(leaf, mesh, axis)
     return torch_runtime.pytree.tree_unflatten(leaves, spec), reductions
+
+
+class _ReducedSum(torch.autograd.Function):
+    """The sum of partial sums over a mesh axis, whose gradient is the
+    sum's: DTensor's gradient of a `Partial` to `Replicate`
+    redistribution, which keeps the gradient replicated (Megatron's `g`).
+    A training local run (`training_local_calls`) replays its layer ends
+    through it."""
+
+    @staticmethod
+    def forward(ctx, partial, mesh, axis):
+        return torch_runtime.all_reduce_sum(partial, mesh, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 def _requested_shape(args, kwargs):

@@ -153,3 +153,18 @@ class LayerEndReplayTest(LocalCallTestCase):
         self.assertEqual(counts[2], counts[1])
         self.assertEqual(replay.ends, 3)
         self.assertTrue(torch.equal(replayed[1], torch.full((3,), 2.0)))
+
+    def test_a_replayed_reduction_passes_its_gradient_on(self):
+        # As DTensor's `Partial` to `Replicate`: each partial sum's
+        # gradient is the sum's (Megatron's `g`).
+        mesh = self.mesh.backend_mesh
+        record = local_replays.Record()
+        record.note_end(((0, mesh, (0,)),))
+        replay = local_replays.Replay(local_replays.ReplayPlan(record))
+        partial = torch.arange(3.0, requires_grad=True)
+        with local_replays.replaying(replay):
+            (reduced,) = local_replays.layer_end((partial * 2.0,), None)
+        self.assertIsNotNone(reduced.grad_fn)
+        cotangent = torch.tensor([1.0, -2.0, 3.0])
+        (reduced * cotangent).sum().backward()
+        self.assertTrue(torch.equal(partial.grad, 2.0 * cotangent))

@@ -2,49 +2,47 @@
 included.
 
 A layer split over a model axis (keras-hub's query, key, value and output
-projections, its MLP's) is not batch-local (`batch_local`), and without
-gradients it runs locally where its first call proves it exact
-(`inference_local_calls`). With gradients on, a local run must also give
-each argument and each variable the gradient DTensor's backward would,
-and in its placements: a column-parallel layer's input gradient is a
-partial sum over the model axis, its kernel's gradient is split as the
-kernel.
+projections, its MLP's, its attention layers) is not batch-local
+(`batch_local`), and without gradients it runs locally where its first
+call proves it exact (`inference_local_calls`). With gradients on, a
+local run must also give each argument and each variable the gradient
+DTensor's backward would, and in its placements: a column-parallel
+layer's input gradient is a partial sum over the model axis, its
+kernel's gradient is split as the kernel.
 
 The first call of a layer with a signature runs on DTensors, noting what
-a local run must replay (`local_replays`: reshapes by global sizes and
-cuts of replicated operands). Where that call issued no collective (but
-its sublayers' verdicts), noted no layer end, drew nothing, noted no
-effect and added no loss on every process (a first verdict), the check
-runs the layer twice more on detached copies of its arguments and
-variables: on DTensors, and on their local tensors, replaying the notes;
-and takes both backward from the same cotangent (quasi-random values laid
-out as each output's gradient, `local_call_checks.output_spec`). The
-layer runs locally from then on where, on every process, the local run
-gave each output's and each gradient's local tensor bit for bit, and no
-tensor else (a second verdict). The gradients' placements are then
-DTensor's: a local call reads its arguments through
+a local run must replay (`local_replays`: reshapes by global sizes, cuts
+of replicated operands, the all-reduces where its sublayers end). Where
+that call issued no collective (but its sublayers' verdicts and those
+all-reduces), drew nothing, noted no effect and added no loss on every
+process (a first verdict), the check runs the layer twice more on
+detached copies of its arguments and variables: on DTensors (its
+sublayers on DTensors too, `dtensor_checks`), and on their local
+tensors, replaying the notes; and takes both backward from the same
+cotangent (`gradient_comparisons.cotangent`). The layer runs locally
+from then on where, on every process, the local run gave each output's
+local tensor bit for bit, each gradient's as `gradient_comparisons`
+compares them, and no tensor else (a second verdict). The gradients'
+placements are then DTensor's: a local call reads its arguments through
 `to_local(grad_placements=...)` and its variables through
 `local_views.LocalView` with those placements, and lays its outputs out
-as the first call's (`local_calls.as_dtensor`).
-
-Where the local run cut a replicated operand (a LoRA layer's factors'
-product; an input that a kernel split along its contracted axis meets),
-DTensor's backward keeps the cut operand's gradient split and the local
-run's pads it with zeros: such a gradient is taken as a partial sum over
-the axes of the cut (`gradient_comparisons`), which reduces to the same sum.
+as the first call's (`local_calls.as_dtensor`). A replayed all-reduce's
+gradient is the reduced sum's, as DTensor's (`local_replays`): an
+attention layer, whose output projection ends in one, is Megatron's
+`f`/`g` pair on local shards.
 
 Contract: a first call issues the DTensor call's collectives, then one
 all-reduce over every process (the first verdict), then, where that
-agreed, the collectives of the check's DTensor backward and a second
-verdict, in the same order on every process. A local call issues none in
-forward; in backward, only the redistributions of gradients that reach
-its outputs laid out otherwise than the check's cotangents (`FromLocal`).
-A layer whose call depends on values other than its first call's in a
-way the comparison cannot see is outside what the check proves, as in
-`inference_local_calls`.
+agreed, the collectives of the two check runs (their layer ends, and the
+DTensor one's backward) and a second verdict, in the same order on every
+process. A local call issues the all-reduces its first call issued at
+layer ends, in the same order; in backward, only the redistributions of
+gradients that reach its outputs laid out otherwise than the check's
+cotangents (`FromLocal`). A layer whose call depends on values other
+than its first call's in a way the comparison cannot see is outside what
+the check proves, as in `inference_local_calls`.
 """
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -143,7 +141,6 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
         # runs it, or none.
         candidate = inference_local_calls.agreed_everywhere(
             before.unchanged(layer)
-            and not replay.reductions
             and not local_call_checks.remat_anywhere(layer),
             mesh,
         )
@@ -239,7 +236,7 @@ def _run_detached(layer, upstream_call, args, kwargs, cotangents, local):
         id; None where none flows).
     """
     if local is None:
-        copy, context = _dtensor_copy, contextlib.nullcontext()
+        copy, context = _dtensor_copy, _DTensorCheck()
     else:
         copy, context = _local_copy, _LocalContext(local)
     arguments = []
@@ -289,6 +286,20 @@ def _dtensor_copy(value, requires_grad):
 def _local_copy(value, requires_grad):
     local = torch_internals.local_tensor(value).detach()
     return local.requires_grad_(requires_grad)
+
+
+class _DTensorCheck:
+    """The context of the check's run on DTensors: its sublayers run on
+    DTensors too (`batch_local.local_calls_allowed`), reading the
+    variables the check gives them, not their local views."""
+
+    def __enter__(self):
+        local_call_state.step_state().dtensor_checks += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        local_call_state.step_state().dtensor_checks -= 1
+        return False
 
 
 class _LocalContext:
