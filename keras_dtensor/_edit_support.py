@@ -35,6 +35,14 @@ def torch_distribution_lib():
     return distribution_lib
 
 
+def local_call_step_state():
+    """This thread's `local_call_state.StepState` (its `local_calls`:
+    whether a local call is running)."""
+    from keras.src.backend.torch import local_call_state
+
+    return local_call_state.step_state()
+
+
 def in_eager_distributed_step_check(or_replaying=False):
     """A function telling whether a call runs in an eager distributed step.
 

@@ -37,7 +37,9 @@ def edit_layer_call_runs_batch_local(layer_module):
     A layer whose first call with a given signature computed each batch
     shard alone (no collective, replicated variables, no random draw or
     state change) runs on local tensors from then on; see
-    `keras.src.backend.torch.batch_local`. Outside a distributed step, and
+    `keras.src.backend.torch.batch_local`. Inside such a local call, a
+    layer's input spec is not checked against the local shards: its first
+    call checked the global shapes. Outside a distributed step, and
     without a distribution, the call is upstream's.
     """
     if not support.is_torch_backend():
@@ -55,6 +57,18 @@ def edit_layer_call_runs_batch_local(layer_module):
         return batch_local.call_layer(self, upstream_call, args, kwargs)
 
     layer_module.Layer.__call__ = __call__
+    upstream_assert = layer_module.Layer._assert_input_compatibility
+    state = support.local_call_step_state()
+
+    def _assert_input_compatibility(self, arg_0):
+        # A local call's inputs are local shards (split along an axis
+        # its input spec may fix, a row-parallel `Dense`'s last); its
+        # first call, on DTensors, checked their global shapes.
+        if state.local_calls:
+            return None
+        return upstream_assert(self, arg_0)
+
+    layer_module.Layer._assert_input_compatibility = _assert_input_compatibility
 
 
 def edit_layer_build_replicates_created_tensors(layer_module):

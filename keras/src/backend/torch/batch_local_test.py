@@ -222,3 +222,32 @@ class PartialSumsReducedTest(LocalCallTestCase):
 
         output = self.call_in_step(PartialSum(), self.batch((4, 3)))
         self.assertEqual(tuple(output.placements), (Replicate(),))
+
+
+class InputSpecTest(testing.TestCase):
+    """A local call's inputs are local shards: their input specs were
+    checked on the global shapes at the first call
+    (`edit_layer_call_runs_batch_local`)."""
+
+    def test_a_local_call_skips_input_specs(self):
+        from keras.src.backend.torch import local_call_state
+        from keras.src.layers.input_spec import InputSpec
+
+        class _LastAxisOfFive(layers.Layer):
+            def __init__(self):
+                super().__init__()
+                self.input_spec = InputSpec(axes={-1: 5})
+
+            def call(self, x):
+                return x
+
+        layer = _LastAxisOfFive()
+        shard = torch.ones(4, 2)
+        with self.assertRaisesRegex(ValueError, "expected axis -1"):
+            layer(shard)
+        state = local_call_state.step_state()
+        state.local_calls += 1
+        try:
+            self.assertIs(layer(shard), shard)
+        finally:
+            state.local_calls -= 1
