@@ -322,24 +322,31 @@ def dtensor_layers(model):
     from keras.src.backend.torch import batch_local
 
     layers = [model] + list(model._flatten_layers(include_self=False))
+
     # A layer with no plan but None never ran locally; one proven local
     # with gradients or without (`training_local_calls`,
     # `inference_local_calls`) has a plan besides, and its sublayers run
     # inside its local calls.
+    def training_plans(layer):
+        # A step's plans: not those of calls without gradients.
+        return [
+            plan
+            for key, plan in batch_local.plans_of(layer).items()
+            if key[:1] != ("inference",)
+        ]
+
     inside_local = {
         id(sublayer)
         for layer in layers
-        if any(
-            plan is not None for plan in batch_local.plans_of(layer).values()
-        )
+        if any(plan is not None for plan in training_plans(layer))
         for sublayer in layer._flatten_layers(include_self=False)
     }
     return [
         layer.name
         for layer in layers
         if id(layer) not in inside_local
-        and batch_local.plans_of(layer)
-        and all(plan is None for plan in batch_local.plans_of(layer).values())
+        and training_plans(layer)
+        and all(plan is None for plan in training_plans(layer))
     ]
 
 

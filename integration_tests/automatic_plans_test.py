@@ -170,3 +170,16 @@ def test_generation_equals_no_distribution(reports, model):
         )
         # Two prompts of 3 and 5 tokens, extended to the full length.
         assert generated.shape == (2, 10)
+
+
+def test_llama3_split_layers_train_on_local_shards(reports):
+    # Under the plan, Llama 3's projections, its attention layers and its
+    # MLP's output projection (a `Dense` split along its input, whose
+    # output layout sums its partial sums: a layer end its local runs
+    # replay) train on local shards (`training_local_calls`).
+    if "Llama3Backbone" not in MODELS:
+        pytest.skip("Llama3Backbone is not among the models run")
+    for report in reports:
+        local = report["Llama3Backbone/trained_locally"]
+        assert {"EinsumDense", "Dense"} <= set(local), local
+        assert any("Attention" in name for name in local), local

@@ -231,6 +231,21 @@ def run(spec):
     record(f"{key}/final_weights", [w.tolist() for w in model.get_weights()])
     record(f"{key}/bytes", local_bytes(model))
     record(f"{key}/counts", counts)
+    record(f"{key}/trained_locally", trained_locally(model))
+
+
+def trained_locally(model):
+    """The classes of the layers that trained on local shards without a
+    batch-local plan (`training_local_calls`)."""
+    from keras.src.backend.torch import training_local_calls
+
+    return sorted(
+        {
+            type(layer).__name__
+            for layer in model._flatten_layers()
+            if training_local_calls.runs_locally(layer)
+        }
+    )
 
 
 def main():

@@ -50,6 +50,7 @@ from keras.src.backend.torch import dtensor_layouts
 from keras.src.backend.torch import gloo_groups
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_call_state
+from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import process_group
 from keras.src.backend.torch import reducer
 from keras.src.backend.torch import sharded_initialization
@@ -375,17 +376,23 @@ def distribute_tensor(tensor, layout):
             return x
         validate_layout(x.shape, layout, require_divisible=False)
         if isinstance(x, DTensor):
-            if not local_call_checks.keeps_local_values(x, layout):
-                local_call_checks.note_effect()
-            if x.requires_grad and x.device_mesh == layout.mesh:
-                return _ConstrainLayout.apply(x, layout.mesh, layout.placements)
-            return dtensor_layouts.relayout(x, layout)
+            if local_replays.recordings_open():
+                # A layer's first call on DTensors notes the relayout as a
+                # layer end, which its local runs replay: a row-parallel
+                # output laid out replicated is all-reduced there.
+                return local_replays.layer_end(
+                    x, lambda value: _relaid(value, layout)
+                )
+            return _relaid(x, layout)
         # A layer runs on local tensors (`batch_local`) only where its first
         # call issued no collective other than the gathers of its fully
         # sharded variables, a verdict every process reaches alike; a local
         # call gathers those in the order the program reads them, and
         # autograd's hooks gather them again and reduce-scatter their
         # gradients in the engine's order, as they do the buckets.
+        if local_call_state.step_state().replays:
+            # A local run replays the layer end its first call noted here.
+            return local_replays.layer_end(x, None)
         if local_call_state.running_locally():
             # A local shard in a local call, whose first (watched) call
             # proved that this layout leaves local tensors as they are.
@@ -394,6 +401,32 @@ def distribute_tensor(tensor, layout):
         return _dtensor_distribute(x, layout.mesh, layout.placements)
 
     return tree.map_structure(distribute_one, tensor)
+
+
+def _relaid(value, layout):
+    """A DTensor laid out as `layout`, its gradient too where it has one.
+
+    A relayout that moves values is an effect (`note_effect`) that keeps
+    a layer on DTensors, but for the sum of partial sums noted as a layer
+    end in a first call (`local_replays.layer_end`), which its local runs
+    replay.
+    """
+    if not local_call_checks.keeps_local_values(value, layout) and not (
+        local_replays.recordings_open() and _sums_partials(value, layout)
+    ):
+        local_call_checks.note_effect()
+    if value.requires_grad and value.device_mesh == layout.mesh:
+        return _ConstrainLayout.apply(value, layout.mesh, layout.placements)
+    return dtensor_layouts.relayout(value, layout)
+
+
+def _sums_partials(value, layout):
+    """Whether laying `value` out as `layout` only sums its partial sums
+    (`Partial("sum")` to `Replicate`, other placements kept)."""
+    return value.device_mesh == layout.mesh and all(
+        have == want or (have.is_partial("sum") and want.is_replicate())
+        for have, want in zip(value.placements, layout.placements)
+    )
 
 
 class _ConstrainLayout(torch.autograd.Function):
