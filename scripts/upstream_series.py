@@ -145,6 +145,7 @@ MODULE_PATCHES = (
             T + "inference_local_calls.py",
             T + "training_local_calls.py",
             T + "gradient_comparisons.py",
+            T + "shard_local_checks.py",
             T + "local_call_checks.py",
             T + "local_call_state.py",
             T + "local_calls.py",

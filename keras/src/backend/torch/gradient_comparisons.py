@@ -20,18 +20,13 @@ on every process to the output's gradient placements, locally.
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
-from torch.distributed.tensor import Replicate
 
-from keras.src.backend.torch import inference_local_calls
 from keras.src.backend.torch import local_call_checks
+from keras.src.backend.torch import shard_local_checks
 from keras.src.backend.torch import torch_internals
 from keras.src.backend.torch.torch_internals import DTensorSpec
 from keras.src.backend.torch.torch_internals import TensorMeta
 
-# The step of the cotangents' quasi-random values (the golden ratio's
-# fractional part): no two neighbours equal, no symmetry to hide a
-# transposed gradient.
-_STEP = 0.6180339887498949
 # How far a gradient downstream of a cut may round otherwise (`same`).
 ROUNDING_ULPS = 256
 
@@ -156,23 +151,10 @@ def contiguous(spec):
 
 
 def cotangent(output):
-    """A cotangent of a DTensor output: quasi-random values laid out as
-    its gradient is (`Replicate` where it is `Partial`). Cut from a
-    replicated tensor made on every process alike: no collective."""
+    """A cotangent of a DTensor output: quasi-random values in [-0.5,
+    0.5), laid out as its gradient is (`Replicate` where it is
+    `Partial`)."""
     _, _, placements = local_call_checks.output_spec(output, output.device_mesh)
-    spec = torch_internals.spec_of(output)
-    meta = spec.tensor_meta
-    with inference_local_calls.plain():
-        count = 1
-        for size in meta.shape:
-            count *= size
-        values = torch.arange(count, dtype=torch.float64) * _STEP % 1.0
-        values = (values - 0.5).to(meta.dtype).reshape(meta.shape)
-        whole = DTensor.from_local(
-            values,
-            spec.mesh,
-            [Replicate()] * spec.mesh.ndim,
-            run_check=False,
-        )
-        # Replicate to Shard takes this process's chunk, locally.
-        return whole.redistribute(spec.mesh, placements)
+    return shard_local_checks.quasi_random(
+        torch_internals.spec_of(output), placements, -0.5
+    )

@@ -44,21 +44,17 @@ dimension depends on a value, Python state changed between calls) is
 outside what the check proves, as in `batch_local`.
 """
 
-import contextlib
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras.src.backend.common.stateless_scope import StatelessScope
-from keras.src.backend.torch import created_tensors
 from keras.src.backend.torch import local_call_checks
-from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import local_replays
+from keras.src.backend.torch import shard_local_checks
 from keras.src.backend.torch import torch_internals
-from keras.src.backend.torch import torch_runtime
 
 
 def applies(leaves, mesh):
@@ -89,7 +85,7 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
         outputs = _run_locally(layer, upstream_call, args, kwargs, plan.replay)
         return local_calls.as_dtensors(layer, outputs, plan.outputs)
 
-    return checked_call(
+    return shard_local_checks.checked_call(
         layer,
         (_KEY, signature),
         lambda: _check_first_call(
@@ -100,42 +96,14 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
     )
 
 
-def checked_call(layer, key, check, run_locally, on_dtensors):
-    """A call on a path whose first call per `key` is checked: this one's
-    and `training_local_calls`'.
-
-    Args:
-        layer: the Keras layer.
-        key: `(path, signature)`, the plan's key among the layer's
-            `batch_local` plans.
-        check: a function of no argument making the first call; returns
-            its outputs and the plan (None: the layer runs on DTensors).
-        run_locally: a function of the plan making a local call.
-        on_dtensors: a function of no argument making the call on
-            DTensors.
-    """
-    plans = local_call_state.caches().plans.setdefault(layer, {})
-    if key not in plans:
-        outputs, plans[key] = check()
-        return outputs
-    plan = plans[key]
-    if plan is None:
-        return on_dtensors()
-    return run_locally(plan)
-
-
 # Marks this path's plans among a layer's `batch_local` plans.
 _KEY = "inference"
 
 
-def runs_locally(layer, path=_KEY):
-    """Whether a call of `layer` on a `path` ("inference", this one's, or
-    "training") was proven local (for tests and reports)."""
-    return any(
-        plan is not None
-        for key, plan in local_call_state.caches().plans.get(layer, {}).items()
-        if type(key) is tuple and key[:1] == (path,)
-    )
+def runs_locally(layer):
+    """Whether a call of `layer` on this path was proven local (for
+    tests and reports)."""
+    return shard_local_checks.runs_locally(layer, _KEY)
 
 
 def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
@@ -148,7 +116,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
     mesh = torch_internals.spec_of(
         local_call_checks.tensor_leaves((args, kwargs))[0]
     ).mesh
-    before = Before(layer, mesh)
+    before = shard_local_checks.Before(layer, mesh)
     with local_replays.recording() as record:
         outputs = on_dtensors()
     replay = local_replays.ReplayPlan(record)
@@ -156,7 +124,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
         exact = before.unchanged(layer) and _runs_locally_alike(
             layer, upstream_call, args, kwargs, outputs, replay
         )
-        agreed = agreed_everywhere(exact, mesh)
+        agreed = shard_local_checks.agreed_everywhere(exact, mesh)
     if not agreed:
         return outputs, None
     specs = tuple(
@@ -180,92 +148,35 @@ class _Plan(NamedTuple):
     replay: local_replays.ReplayPlan
 
 
-class Before:
-    """What the DTensor call must leave unchanged: collectives issued on
-    the mesh's groups and the default group (but verdicts and the
-    all-reduces at layer ends), draws, effects, losses, generator
-    states."""
-
-    def __init__(self, layer, mesh):
-        self.groups = _groups(mesh)
-        self.sequence = [torch_runtime.sequence_number(g) for g in self.groups]
-        state = local_call_state.step_state()
-        self.verdicts = state.verdicts
-        self.layer_ends = local_replays.collectives_at_layer_ends()
-        self.effects = state.effects
-        self.draws = created_tensors.draw_count()
-        self.generators = local_call_checks.generator_states()
-        self.losses = local_call_checks.loss_count(layer)
-
-    def unchanged(self, layer):
-        """Whether the call left all of it unchanged, but the verdicts and
-        the all-reduces at layer ends (which a local run replays)."""
-        state = local_call_state.step_state()
-        verdicts = state.verdicts - self.verdicts
-        ends = local_replays.collectives_at_layer_ends()
-        expected = [
-            number
-            + (verdicts if group is dist.group.WORLD else 0)
-            + ends.get(group, 0)
-            - self.layer_ends.get(group, 0)
-            for group, number in zip(self.groups, self.sequence)
-        ]
-        return (
-            [torch_runtime.sequence_number(g) for g in self.groups] == expected
-            and state.effects == self.effects
-            and created_tensors.draw_count() == self.draws
-            and local_call_checks.loss_count(layer) == self.losses
-            and local_call_checks.same_states(
-                local_call_checks.generator_states(), self.generators
-            )
-            and not local_call_checks.holds_dtensor_attributes(layer)
-        )
-
-
-def _groups(mesh):
-    """The default group, then each `mesh` axis's group that is not it."""
-    groups = [dist.group.WORLD]
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        if all(group is not other for other in groups):
-            groups.append(group)
-    return groups
-
-
 def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, replay):
     """Whether the call run on local tensors (replaying `replay`) returns,
-    for each DTensor output, its local tensor exactly (and no other
-    tensor)."""
-    expected = local_call_checks.tensor_leaves(outputs)
+    for each DTensor output, the local tensor of the call on DTensors
+    exactly (and no other tensor), both with the check's values of the
+    variables (`shard_local_checks.run_copies`)."""
     if not all(
         type(leaf) is DTensor and getattr(leaf, "_keras_mask", None) is None
-        for leaf in expected
+        for leaf in local_call_checks.tensor_leaves(outputs)
     ):
         return False
     try:
-        local = _run_locally(layer, upstream_call, args, kwargs, replay)
+        theirs, _, _ = shard_local_checks.run_copies(
+            layer, upstream_call, args, kwargs, None
+        )
+        mine, _, _ = shard_local_checks.run_copies(
+            layer, upstream_call, args, kwargs, replay
+        )
     except Exception:
         # The layer cannot run on local tensors (a shape made from a
         # global size): it runs on DTensors.
         return False
-    local = local_call_checks.tensor_leaves(local)
-    return len(local) == len(expected) and all(
-        type(mine) is torch.Tensor
-        and mine.dtype == theirs.dtype
-        and mine.shape == torch_internals.local_tensor(theirs).shape
-        and torch.equal(mine, torch_internals.local_tensor(theirs))
-        for mine, theirs in zip(local, expected)
+    return len(mine) == len(theirs) and all(
+        type(my) is torch.Tensor
+        and type(their) is DTensor
+        and my.dtype == their.dtype
+        and my.shape == torch_internals.local_tensor(their).shape
+        and torch.equal(my, torch_internals.local_tensor(their))
+        for my, their in zip(mine, theirs)
     )
-
-
-def agreed_everywhere(exact, mesh):
-    """Whether `exact` holds on every process: one all-reduce of its
-    minimum over the default group, on every process alike."""
-    with plain():
-        verdict = torch.tensor([int(exact)], device=mesh.device_type)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    local_call_state.step_state().verdicts += 1
-    return bool(verdict.item())
 
 
 def _run_locally(layer, upstream_call, args, kwargs, replay):
@@ -275,25 +186,8 @@ def _run_locally(layer, upstream_call, args, kwargs, replay):
     args, kwargs = local_calls.map_tensors(
         (args, kwargs), local_calls.local_tensor_of
     )
-    state = local_call_state.step_state()
-    state.local_calls += 1
-    try:
-        with (
-            _LocalVariables(),
-            plain(),
-            local_replays.replaying(local_replays.Replay(replay)),
-        ):
-            return upstream_call(layer, *args, **kwargs)
-    finally:
-        state.local_calls -= 1
-
-
-def plain():
-    """A context where torch functions make plain tensors: the step's
-    mode suspended, where it is the innermost one."""
-    if created_tensors.current_mode() is None:
-        return contextlib.nullcontext()
-    return created_tensors.suspended()
+    with shard_local_checks.local_run(replay), _LocalVariables():
+        return upstream_call(layer, *args, **kwargs)
 
 
 class _LocalVariables(StatelessScope):

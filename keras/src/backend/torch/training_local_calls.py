@@ -48,15 +48,13 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.torch import gradient_comparisons
-from keras.src.backend.torch import inference_local_calls
 from keras.src.backend.torch import local_call_checks
-from keras.src.backend.torch import local_call_state
 from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import local_replays
 from keras.src.backend.torch import local_variables
 from keras.src.backend.torch import local_views
+from keras.src.backend.torch import shard_local_checks
 from keras.src.backend.torch import torch_internals
 
 # Marks this path's plans among a layer's `batch_local` plans.
@@ -83,7 +81,7 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
             return on_dtensors()
         return _call_locally(layer, upstream_call, args, kwargs, plan)
 
-    return inference_local_calls.checked_call(
+    return shard_local_checks.checked_call(
         layer,
         (_KEY, signature),
         lambda: _check_first_call(
@@ -97,7 +95,7 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
 def runs_locally(layer):
     """Whether a call of `layer` on this path was proven local (for
     tests and reports)."""
-    return inference_local_calls.runs_locally(layer, _KEY)
+    return shard_local_checks.runs_locally(layer, _KEY)
 
 
 class _Plan(NamedTuple):
@@ -132,14 +130,14 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
     """
     leaves = local_call_checks.tensor_leaves((args, kwargs))
     mesh = torch_internals.spec_of(leaves[0]).mesh
-    before = inference_local_calls.Before(layer, mesh)
+    before = shard_local_checks.Before(layer, mesh)
     with local_replays.recording() as record:
         outputs = on_dtensors()
     replay = local_replays.ReplayPlan(record)
     with local_replays.paused():
         # The check's DTensor backward may communicate: every process
         # runs it, or none.
-        candidate = inference_local_calls.agreed_everywhere(
+        candidate = shard_local_checks.agreed_everywhere(
             before.unchanged(layer)
             and not local_call_checks.remat_anywhere(layer),
             mesh,
@@ -149,7 +147,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
             gradients = _gradients_alike(
                 layer, upstream_call, args, kwargs, outputs, replay
             )
-        if not candidate or not inference_local_calls.agreed_everywhere(
+        if not candidate or not shard_local_checks.agreed_everywhere(
             gradients is not None, mesh
         ):
             return outputs, None
@@ -184,27 +182,30 @@ def _gradients_alike(layer, upstream_call, args, kwargs, outputs, replay):
         return None
     cotangents = [gradient_comparisons.cotangent(leaf) for leaf in expected]
     try:
-        theirs = _run_detached(
-            layer, upstream_call, args, kwargs, cotangents, None
+        theirs = shard_local_checks.run_copies(
+            layer, upstream_call, args, kwargs, None, cotangents
         )
     except Exception:
         # DTensor's backward fails for the layer: it runs on DTensors.
         return None
     try:
-        mine = _run_detached(
+        mine = shard_local_checks.run_copies(
             layer,
             upstream_call,
             args,
             kwargs,
-            [torch_internals.local_tensor(c) for c in cotangents],
             replay,
+            [torch_internals.local_tensor(c) for c in cotangents],
         )
     except Exception:
         # A shape made from a global size, or an operator refusing a
         # shard: the layer runs on DTensors.
         return None
-    local_outputs = [torch_internals.local_tensor(x) for x in expected]
-    if not gradient_comparisons.all_equal(mine[0], local_outputs):
+    if not all(type(their) is DTensor for their in theirs[0]):
+        return None
+    if not gradient_comparisons.all_equal(
+        mine[0], [torch_internals.local_tensor(x) for x in theirs[0]]
+    ):
         return None
     if theirs[2].keys() != mine[2].keys():
         return None
@@ -219,110 +220,6 @@ def _gradients_alike(layer, upstream_call, args, kwargs, outputs, replay):
     if arguments is None or variables is None:
         return None
     return arguments, dict(zip(names, variables))
-
-
-def _run_detached(layer, upstream_call, args, kwargs, cotangents, local):
-    """Calls the layer on detached copies of its tensor arguments and
-    variables and takes it backward from `cotangents`.
-
-    Args:
-        local: None for the run on DTensors; for the run on local tensors
-            (the step's mode suspended), the `local_replays.ReplayPlan`
-            it replays.
-
-    Returns:
-        The outputs' tensors, the gradients of the arguments (in
-        flattening order) and the gradients of the variables read (by
-        id; None where none flows).
-    """
-    if local is None:
-        copy, context = _dtensor_copy, _DTensorCheck()
-    else:
-        copy, context = _local_copy, _LocalContext(local)
-    arguments = []
-
-    def detached(value):
-        arguments.append(copy(value, value.is_floating_point()))
-        return arguments[-1]
-
-    args, kwargs = local_calls.map_tensors((args, kwargs), detached)
-    scope = _VariableReads(
-        layer, lambda variable, value: copy(value, value.requires_grad)
-    )
-    with context, scope:
-        outputs = local_call_checks.tensor_leaves(
-            upstream_call(layer, *args, **kwargs)
-        )
-    sources = arguments + list(scope.state_mapping.values())
-    pairs = [
-        (output, cotangent)
-        for output, cotangent in zip(outputs, cotangents)
-        if output.requires_grad
-    ]
-    wanted = [source for source in sources if source.requires_grad]
-    grads = iter(())
-    if pairs and wanted:
-        grads = iter(
-            torch.autograd.grad(
-                [output for output, _ in pairs],
-                wanted,
-                [cotangent for _, cotangent in pairs],
-                allow_unused=True,
-            )
-        )
-    found = [next(grads) if s.requires_grad else None for s in sources]
-    count = len(arguments)
-    return (
-        [output.detach() for output in outputs],
-        found[:count],
-        dict(zip(scope.state_mapping, found[count:])),
-    )
-
-
-def _dtensor_copy(value, requires_grad):
-    return value.detach().requires_grad_(requires_grad)
-
-
-def _local_copy(value, requires_grad):
-    local = torch_internals.local_tensor(value).detach()
-    return local.requires_grad_(requires_grad)
-
-
-class _DTensorCheck:
-    """The context of the check's run on DTensors: its sublayers run on
-    DTensors too (`batch_local.local_calls_allowed`), reading the
-    variables the check gives them, not their local views."""
-
-    def __enter__(self):
-        local_call_state.step_state().dtensor_checks += 1
-        return self
-
-    def __exit__(self, *exc_info):
-        local_call_state.step_state().dtensor_checks -= 1
-        return False
-
-
-class _LocalContext:
-    """The context of a local run: the step's mode suspended, the replay
-    on, counted as a local call."""
-
-    def __init__(self, replay):
-        self.plain = inference_local_calls.plain()
-        self.replaying = local_replays.replaying(local_replays.Replay(replay))
-
-    def __enter__(self):
-        local_call_state.step_state().local_calls += 1
-        self.plain.__enter__()
-        self.replaying.__enter__()
-        return self
-
-    def __exit__(self, *exc_info):
-        try:
-            self.replaying.__exit__(*exc_info)
-            self.plain.__exit__(*exc_info)
-        finally:
-            local_call_state.step_state().local_calls -= 1
-        return False
 
 
 def _call_locally(layer, upstream_call, args, kwargs, plan):
@@ -350,36 +247,9 @@ def _call_locally(layer, upstream_call, args, kwargs, plan):
         return local_views.LocalView.apply(value, spec)
 
     args, kwargs = local_calls.map_tensors((args, kwargs), local)
-    with _LocalContext(plan.replay), _VariableReads(layer, view):
+    with (
+        shard_local_checks.local_run(plan.replay),
+        shard_local_checks.VariableReads(layer, view),
+    ):
         outputs = upstream_call(layer, *args, **kwargs)
     return local_calls.as_dtensors(layer, outputs, plan.outputs)
-
-
-class _VariableReads(StatelessScope):
-    """Reads each DTensor variable as `read(variable, value)` gives it,
-    once per scope (`state_mapping`, by id(variable), in reading order);
-    refuses assignments, which a local call cannot make (a check's run
-    then fails)."""
-
-    def __init__(self, layer, read):
-        super().__init__(initialize_variables=False)
-        self.layer = layer
-        self.read = read
-
-    def get_current_value(self, variable):
-        view = self.state_mapping.get(id(variable))
-        if view is not None:
-            return view
-        value = variable._value
-        if not isinstance(value, DTensor):
-            return value
-        view = self.read(variable, value)
-        self.state_mapping[id(variable)] = view
-        return view
-
-    def add_update(self, update):
-        variable, _ = update
-        raise RuntimeError(
-            f"{local_variables.describe(self.layer)} runs on local shards "
-            f"but assigned variable '{variable.path}'."
-        )
