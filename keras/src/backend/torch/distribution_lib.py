@@ -376,7 +376,7 @@ def distribute_tensor(tensor, layout):
             return x
         validate_layout(x.shape, layout, require_divisible=False)
         if isinstance(x, DTensor):
-            if local_replays.recordings_open():
+            if local_replays.counting_layer_ends():
                 # A layer's first call on DTensors notes the relayout as a
                 # layer end, which its local runs replay: a row-parallel
                 # output laid out replicated is all-reduced there.
@@ -412,7 +412,7 @@ def _relaid(value, layout):
     replay.
     """
     if not local_call_checks.keeps_local_values(value, layout) and not (
-        local_replays.recordings_open() and _sums_partials(value, layout)
+        local_replays.counting_layer_ends() and _sums_partials(value, layout)
     ):
         local_call_checks.note_effect()
     if value.requires_grad and value.device_mesh == layout.mesh:

@@ -13,16 +13,18 @@ Without gradients (`generate()`, `predict`), such a call is checked
 otherwise (`call_layer`). The first call of a layer with a signature
 (`batch_local._signature`) runs on DTensors, noting what its local runs
 must replay (`local_replays`: its reshapes by global sizes, the
-all-reduces where its sublayers end), then once more on the local
-tensors of its arguments and variables, with the step's torch function
-mode suspended, replaying them (`_run_locally`). The layer runs locally
+all-reduces where its sublayers end), then twice more on copies of its
+arguments (`shard_local_checks.run_copies`: on DTensors, and on their
+local tensors with the step's torch function mode suspended, replaying
+the notes). The layer runs locally
 from then on where, on every process, the DTensor call issued no
 collective (but the verdicts of its sublayers' first calls and the
 all-reduces at layer ends), drew nothing, noted no effect
 (`local_call_checks.note_effect`: a relayout that moves values, a write
 of gathered values at local indices), added no loss and held no DTensor
-attribute, and the local run returned each output's local tensor bit
-for bit, in its shape and dtype. The processes agree on the verdict by
+attribute, and the local run returned each output's local tensor, in
+its shape and dtype, up to rounding (`gradient_comparisons.same`). The
+processes agree on the verdict by
 one all-reduce (its minimum), so all take the same path. A later call
 with the signature runs on local tensors, replaying the first call's
 notes, and lays its outputs out as the first call's
@@ -50,6 +52,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.torch import gradient_comparisons
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import local_calls
 from keras.src.backend.torch import local_replays
@@ -169,13 +172,10 @@ def _runs_locally_alike(layer, upstream_call, args, kwargs, outputs, replay):
         # The layer cannot run on local tensors (a shape made from a
         # global size): it runs on DTensors.
         return False
-    return len(mine) == len(theirs) and all(
-        type(my) is torch.Tensor
-        and type(their) is DTensor
-        and my.dtype == their.dtype
-        and my.shape == torch_internals.local_tensor(their).shape
-        and torch.equal(my, torch_internals.local_tensor(their))
-        for my, their in zip(mine, theirs)
+    return all(
+        type(their) is DTensor for their in theirs
+    ) and gradient_comparisons.all_same(
+        mine, [torch_internals.local_tensor(their) for their in theirs]
     )
 
 

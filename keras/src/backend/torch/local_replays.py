@@ -1,9 +1,9 @@
 """What a layer's local run replays of its first call on DTensors.
 
 A layer split over a model axis runs on local tensors where its first
-call, run on DTensors and again locally, gives the same local outputs
-bit for bit (`inference_local_calls`), and with gradients the same
-gradients too (`training_local_calls`). Three things the DTensor call
+call's check, run on DTensors and locally, gives the same local outputs
+(`inference_local_calls`), and with gradients the same gradients too
+(`training_local_calls`; `shard_local_checks`). Three things the DTensor call
 does, a run on plain tensors would not:
 
 - **Reshapes by a global size.** keras-hub's attention layers reshape
@@ -284,9 +284,20 @@ def recordings_open():
 
 
 def active():
-    """Whether a recording or a replay is open on this thread."""
+    """Whether layer ends are noted or replayed on this thread: a
+    recording or a replay is open, or a check runs a layer on DTensors
+    (whose layer ends are counted, `counting_layer_ends`)."""
     state = local_call_state.step_state()
-    return bool(state.recordings or state.replays)
+    return bool(state.recordings or state.replays or state.dtensor_checks)
+
+
+def counting_layer_ends():
+    """Whether a DTensor call's layer ends are noted or counted here: in
+    a first call's recording, or in a check's run on DTensors, whose
+    all-reduces the first calls around it allow
+    (`collectives_at_layer_ends`)."""
+    state = local_call_state.step_state()
+    return bool(state.recordings or state.dtensor_checks)
 
 
 def layer_end(outputs, reduced):

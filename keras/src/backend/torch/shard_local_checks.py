@@ -8,11 +8,11 @@ all-reduces at layer ends, no draw, no effect, no added loss, no DTensor
 attribute. The check then runs the layer twice more on copies of its
 arguments (`run_copies`): on DTensors, and on their local tensors with
 the step's mode suspended, replaying the notes; with cotangents, both
-backward. In both runs each floating variable holds its value plus the
-same quasi-random values (`quasi_random`, in [0.25, 0.75)): a variable
-at a value that hides a difference (a bias of zeros, which a local run
-adds on every process where DTensor adds it once to a partial sum; LoRA
-factors of zeros) does not make a wrong local run pass. The processes
+backward. In both runs a floating variable of zeros holds the same
+quasi-random values (`quasi_random`, in [0.25, 0.75)): zeros hide a
+difference (a bias, which a local run adds on every process where
+DTensor adds it once to a partial sum; LoRA factors at their start)
+that would make a wrong local run pass. The processes
 agree on each verdict by one all-reduce of its minimum
 (`agreed_everywhere`); a layer's plans are kept per path and signature
 (`checked_call`).
@@ -240,11 +240,14 @@ def _gradients(outputs, cotangents, sources):
 
 
 def _check_value(value, local, gradients):
-    """A variable's value in a check run: a floating value plus the
-    quasi-random values laid out as it is (the local tensor of that in a
-    local run); a gradient leaf where gradients are taken and the value
-    takes them."""
-    if value.is_floating_point():
+    """A variable's value in a check run: a floating value of zeros gets
+    quasi-random values laid out as it is (their local tensor in a local
+    run); a gradient leaf where gradients are taken and the value takes
+    them."""
+    if (
+        value.is_floating_point()
+        and not torch_internals.local_tensor(value).any()
+    ):
         spec = torch_internals.spec_of(value)
         offset = quasi_random(spec, spec.placements, 0.25)
         with plain():

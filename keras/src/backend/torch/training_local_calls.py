@@ -16,13 +16,14 @@ of replicated operands, the all-reduces where its sublayers end). Where
 that call issued no collective (but its sublayers' verdicts and those
 all-reduces), drew nothing, noted no effect and added no loss on every
 process (a first verdict), the check runs the layer twice more on
-detached copies of its arguments and variables: on DTensors (its
-sublayers on DTensors too, `dtensor_checks`), and on their local
-tensors, replaying the notes; and takes both backward from the same
-cotangent (`gradient_comparisons.cotangent`). The layer runs locally
-from then on where, on every process, the local run gave each output's
-local tensor bit for bit, each gradient's as `gradient_comparisons`
-compares them, and no tensor else (a second verdict). The gradients'
+copies of its arguments (`shard_local_checks.run_copies`: on DTensors,
+its sublayers on DTensors too, and on their local tensors, replaying
+the notes) and takes both backward from the same cotangent
+(`gradient_comparisons.cotangent`). The layer runs locally from then on
+where, on every process, the local run gave each output's and each
+gradient's local tensor as `gradient_comparisons` compares them (up to
+rounding; a gradient a cut pads, as a partial sum), and no tensor else
+(a second verdict). The gradients'
 placements are then DTensor's: a local call reads its arguments through
 `to_local(grad_placements=...)` and its variables through
 `local_views.LocalView` with those placements, and lays its outputs out
@@ -77,7 +78,7 @@ def call_layer(layer, upstream_call, args, kwargs, signature, on_dtensors):
     The arguments are `inference_local_calls.call_layer`'s."""
 
     def run_locally(plan):
-        if local_call_checks.remat_anywhere(layer, plan.sublayers):
+        if _recomputed(layer, plan.sublayers):
             return on_dtensors()
         return _call_locally(layer, upstream_call, args, kwargs, plan)
 
@@ -96,6 +97,16 @@ def runs_locally(layer):
     """Whether a call of `layer` on this path was proven local (for
     tests and reports)."""
     return shard_local_checks.runs_locally(layer, _KEY)
+
+
+def _recomputed(layer, sublayers):
+    """Whether the layer or a sublayer has a remat mode: a check's runs
+    would recompute it in their backward, and its recomputation would
+    take the path of its other pass (`batch_local`)."""
+    return any(
+        getattr(sub, "_remat_mode", None) is not None
+        for sub in (layer, *sublayers)
+    )
 
 
 class _Plan(NamedTuple):
@@ -139,7 +150,7 @@ def _check_first_call(layer, upstream_call, args, kwargs, on_dtensors):
         # runs it, or none.
         candidate = shard_local_checks.agreed_everywhere(
             before.unchanged(layer)
-            and not local_call_checks.remat_anywhere(layer),
+            and not _recomputed(layer, local_call_checks.sublayers(layer)),
             mesh,
         )
         gradients = None
@@ -203,19 +214,16 @@ def _gradients_alike(layer, upstream_call, args, kwargs, outputs, replay):
         return None
     if not all(type(their) is DTensor for their in theirs[0]):
         return None
-    if not gradient_comparisons.all_equal(
+    if not gradient_comparisons.all_same(
         mine[0], [torch_internals.local_tensor(x) for x in theirs[0]]
     ):
         return None
     if theirs[2].keys() != mine[2].keys():
         return None
-    rounding = bool(replay.cuts)
-    arguments = gradient_comparisons.gradient_specs(
-        theirs[1], mine[1], rounding
-    )
+    arguments = gradient_comparisons.gradient_specs(theirs[1], mine[1])
     names = list(theirs[2])
     variables = gradient_comparisons.gradient_specs(
-        [theirs[2][n] for n in names], [mine[2][n] for n in names], rounding
+        [theirs[2][n] for n in names], [mine[2][n] for n in names]
     )
     if arguments is None or variables is None:
         return None

@@ -111,18 +111,18 @@ class TrainingLocalCallsTest(LocalCallTestCase):
             self.assertFalse(training_local_calls.applies([x], mesh))
 
 
-class SameGradientTest(LocalCallTestCase):
-    """`_same`: bit for bit, or up to a cut's rounding where asked."""
+class SameTest(LocalCallTestCase):
+    """`same`: bit for bit, or up to rounding in float32 and float64."""
 
-    def test_rounding_is_allowed_only_after_a_cut_and_in_float32(self):
+    def test_rounding_is_allowed_in_float32_only(self):
         same = gradient_comparisons.same
         their = torch.linspace(-1.0, 1.0, 64)
         close = their + 1e-7 * torch.sign(their)
         wrong = their * 1.001
-        self.assertTrue(same(their.clone(), their, rounding=False))
-        self.assertFalse(same(close, their, rounding=False))
-        self.assertTrue(same(close, their, rounding=True))
-        self.assertFalse(same(wrong, their, rounding=True))
-        self.assertFalse(same(their[:32], their, rounding=True))
+        self.assertTrue(same(their.clone(), their))
+        self.assertTrue(same(close, their))
+        self.assertFalse(same(wrong, their))
+        self.assertFalse(same(their[:32], their))
         low = their.to(torch.bfloat16)
-        self.assertFalse(same(low * 1.01, low, rounding=True))
+        self.assertTrue(same(low.clone(), low))
+        self.assertFalse(same(low * 1.01, low))
