@@ -83,11 +83,11 @@ cpu() {
     # own maps and the automatic plan (mid preset).
     local hub=(benchmarks/keras_hub_step.py --preset mid --models gemma,llama
         --modes dp,mp --steps 8 --warmup 3 --out "$OUT")
-    run n2_keras_hub_mid_lora_9708d71 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --lora 4 --tag n2_keras_hub_mid_lora_9708d71
-    run n2_keras_hub_mid_full_a726b81 "$TORCHRUN" --nproc_per_node=2 \
+    run n2_keras_hub_mid_lora_fff2158 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --lora 4 --repeats 3 --tag n2_keras_hub_mid_lora_fff2158
+    run n2_keras_hub_mid_full_fff2158 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe \
-        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_a726b81
+        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_fff2158
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
@@ -103,9 +103,9 @@ cpu() {
     run replicated_reads "$PYTHON" benchmarks/replicated_reads.py --out "$OUT"
     # keras-hub's Gemma generate() per token, none against (1, 2), without
     # and with LoRA factors of rank 4.
-    run n2_keras_hub_generate_e417f4e "$TORCHRUN" --nproc_per_node=2 \
+    run n2_keras_hub_generate_fff2158 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_generate.py --new-tokens 16 --lora 0,4 \
-        --out "$OUT" --tag n2_keras_hub_generate_e417f4e
+        --out "$OUT" --tag n2_keras_hub_generate_fff2158
 }
 
 gpu() {
