@@ -66,11 +66,8 @@ cpu() {
         --steps 10 --no-overhead --jit
     # Peak memory of one training step, Keras against its native twin.
     run n2_peak_dp_fsdp "$TORCHRUN" --nproc_per_node=2 \
-        benchmarks/peak_memory.py --modes dp,fsdp --out "$OUT" \
+        benchmarks/peak_memory.py --modes dp,fsdp --repeats 9 --out "$OUT" \
         --tag n2_peak_dp_fsdp
-    run n2_peak_fsdp_blocks "$TORCHRUN" --nproc_per_node=2 \
-        benchmarks/peak_memory.py --modes fsdp --repeats 9 --out "$OUT" \
-        --tag n2_peak_fsdp_blocks
     # Activation recomputation (remat_layers), at two sizes.
     run n2_remat_blocks "$TORCHRUN" --nproc_per_node=2 benchmarks/remat.py \
         --modes single,dp,tp,fsdp --steps 40 --out "$OUT" \
