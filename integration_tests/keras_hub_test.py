@@ -239,3 +239,19 @@ def test_contracting_dimension_is_split_on_model_axis(
         assert report[f"{run}/{model}/placements/{path}"][1] == "S(0)"
         local_shape = report[f"{run}/{model}/local_shape/{path}"]
         assert local_shape[0] == full_shape[0] // 2
+
+
+def test_llama_projections_train_on_local_shards(launches):
+    """Under Llama's published map its query, key and value kernels are
+    split along the contracted hidden size and its output projection's
+    along the contracted heads: each trains on local shards (the input
+    cut to the kernel's shard, the partial sum all-reduced where the
+    layer ends), and the weights above match one process."""
+    run = "1x2:sgd:llama"
+    block = "transformer_layer_0/self_attention"
+    expected = {
+        f"{block}/{name}"
+        for name in ("query", "key", "value", "attention_output")
+    }
+    for report in reports_of(launches, run):
+        assert expected <= set(report[f"{run}/llama/local_layers"])

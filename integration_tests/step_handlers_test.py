@@ -181,3 +181,23 @@ def test_einsum_chunks_the_replicated_operand(reports):
             torch.tensor(report["einsum/plain"]),
             msg=f"rank {rank}",
         )
+
+
+def test_einsum_splits_the_replicated_operand_along_a_contracted_letter(
+    reports,
+):
+    for rank, report in enumerate(reports):
+        # Megatron's row-parallel layer: the replicated input takes the
+        # kernel's split of the contracted heads, and the output is a
+        # partial sum; nothing moves forward.
+        assert report["row_split/placements"] == ["P(sum)"]
+        assert report["row_split/collectives"] == 0
+        # The input's gradient keeps the split it was cut to.
+        assert report["row_split/x_gradient/placements"] == ["S(2)"]
+        assert report["row_split/kernel_gradient/placements"] == ["S(0)"]
+        for name in ("out", "x_gradient", "kernel_gradient"):
+            torch.testing.assert_close(
+                torch.tensor(report[f"row_split/{name}/values"]),
+                torch.tensor(report[f"row_split/plain/{name}"]),
+                msg=f"rank {rank}: {name}",
+            )

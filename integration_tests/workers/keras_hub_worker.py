@@ -152,6 +152,7 @@ def run(spec):
         set_distribution(name, mesh)
         model, initial_weights, losses = train(name, optimizer_name)
         record_run(f"{spec}/{name}", model, initial_weights, losses)
+        record(f"{spec}/{name}/local_layers", local_layers(model))
         variables = {v.path: v for v in model.weights}
         for path in SHARDED_PATHS[name]:
             value = variables[path].value
@@ -162,6 +163,18 @@ def run(spec):
                 list(value.to_local().shape),
             )
     keras.distribution.set_distribution(None)
+
+
+def local_layers(model):
+    """The paths of the layers whose training calls ran on local shards
+    without a batch-local plan (`training_local_calls`)."""
+    from keras.src.backend.torch import training_local_calls
+
+    return sorted(
+        layer.path
+        for layer in model._flatten_layers()
+        if layer.path and training_local_calls.runs_locally(layer)
+    )
 
 
 def main():

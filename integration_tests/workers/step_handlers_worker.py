@@ -189,6 +189,30 @@ def head_split_attention(queries, keys, group):
     return scores, torch_runtime.sequence_number(group) - before
 
 
+def row_split_projection(x, kernel, group):
+    """Keras-hub Llama's output projection under its own layout map: a
+    replicated input (batch 2, 3 positions, 4 heads, 2) contracted with a
+    kernel (4 heads, 2, 6) split along its heads. The output, the
+    gradients of both and the collectives issued forward."""
+    before = torch_runtime.sequence_number(group)
+    out = torch.einsum("btnh,nhd->btd", x, kernel)
+    collectives = torch_runtime.sequence_number(group) - before
+    (out * torch.arange(6.0)).sum().backward()
+    return out, collectives
+
+
+def row_split_inputs(mesh=None):
+    """`row_split_projection`'s inputs: plain, or the input replicated and
+    the kernel split along its heads over the processes of `mesh`."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 4, 2, generator=generator)
+    kernel = torch.randn(4, 2, 6, generator=generator)
+    if mesh is not None:
+        x = distribute_tensor(x, mesh, [Replicate()])
+        kernel = distribute_tensor(kernel, mesh, [Shard(0)])
+    return x.requires_grad_(), kernel.requires_grad_()
+
+
 def attention_inputs():
     """Queries (batch 2, 1 position, 4 heads, group 1, 8) and keys (batch
     2, 6 positions, 4 heads, 8)."""
@@ -251,6 +275,7 @@ def main():
         "rotary/outside_error", lambda: rotary_gradients(*rotary_inputs(mesh))
     )
     rotary = rotary_inputs(mesh)
+    x, kernel = row_split_inputs(mesh)
     logits, targets = class_split_inputs()
     logits = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
     targets = distribute_tensor(targets, mesh, [Replicate()])
@@ -285,6 +310,12 @@ def main():
         )
         record_whole("einsum", scores)
         record("einsum/collectives", collectives)
+        out, collectives = row_split_projection(x, kernel, mesh.get_group(0))
+        record("row_split/placements", [str(p) for p in out.placements])
+        record("row_split/collectives", collectives)
+        record_whole("row_split/out", out.redistribute(mesh, [Replicate()]))
+        record_whole("row_split/x_gradient", x.grad)
+        record_whole("row_split/kernel_gradient", kernel.grad)
         local = as_partial_sum(mean)
         record("partials/as_sum", float(local))
         record("partials/as_sum_total", float(local_sum(local)))
@@ -295,6 +326,11 @@ def main():
     plain = rotary_gradients(*rotary_inputs())
     record("rotary/plain/x_gradient", plain[0].tolist())
     record("rotary/plain/kernel_gradient", plain[1].tolist())
+    x, kernel = row_split_inputs()
+    out, _ = row_split_projection(x, kernel, mesh.get_group(0))
+    record("row_split/plain/out", out.tolist())
+    record("row_split/plain/x_gradient", x.grad.tolist())
+    record("row_split/plain/kernel_gradient", kernel.grad.tolist())
     plain_queries, plain_keys = attention_inputs()
     record(
         "einsum/plain",

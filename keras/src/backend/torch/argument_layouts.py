@@ -9,7 +9,7 @@ and which the handler lays out first:
   `attn_mask` keyword are brought to placements that fit each other.
 - `Tensor.contiguous` of a DTensor: in the standard memory format.
 - `einsum` of two DTensors: a replicated operand takes the other's split
-  along a letter both keep in the output (`_einsum`).
+  along a letter both operands hold (`_einsum`).
 
 Every handler is called as `handler(mode, func, args, kwargs)` and
 returns `func`'s result.
@@ -131,16 +131,21 @@ def _contiguous(mode, func, args, kwargs):
 def _einsum(mode, func, args, kwargs):
     """`einsum` of two DTensors, a replicated one split as the other is.
 
-    Where one operand is split along a letter that the other operand and
-    the output share (a batch letter: heads in attention), and the other
-    is replicated on that mesh axis, the replicated one is split the same
-    way first: its local chunk, nothing moved. DTensor's `einsum` views
-    its operands for a batched matmul, where a split of the heads becomes
-    a strided split, and its rule then gathers the split operand rather
-    than chunking the replicated one: keras-hub's attention during
-    `generate()` (queries split by heads, the KV cache replicated)
-    gathered the queries, computed every head on every process and
-    gathered the output projection's kernel for each token.
+    Where one operand is split along a letter of both operands, and the
+    other is replicated on that mesh axis, the replicated one is split
+    the same way first: its local chunk, nothing moved. A letter the
+    output keeps (a batch letter: heads in attention) leaves the output
+    split; a contracted one leaves it a partial sum, as a matmul whose
+    operand is split along its contracted dimension does (Megatron's
+    row-parallel layer). DTensor's `einsum` views its operands for a
+    batched matmul, where a split of the heads becomes a strided split,
+    and its rule then gathers the split operand rather than chunking the
+    replicated one: keras-hub's attention during `generate()` (queries
+    split by heads, the KV cache replicated) gathered the queries,
+    computed every head on every process and gathered the output
+    projection's kernel for each token; Llama's output projection, its
+    kernel split along the contracted heads, gathered the kernel on
+    every call.
     """
     if kwargs or len(args) != 3 or not isinstance(args[0], str):
         return func(*args, **kwargs)
@@ -150,8 +155,8 @@ def _einsum(mode, func, args, kwargs):
     letters = _einsum_letters(equation, first, second)
     if letters is None:
         return func(*args, **kwargs)
-    first = _split_like(first, second, *letters)
-    second = _split_like(second, first, *reversed(letters[:2]), letters[2])
+    first = _split_like(first, second, letters[0], letters[1])
+    second = _split_like(second, first, letters[1], letters[0])
     return func(equation, first, second)
 
 
@@ -170,9 +175,9 @@ def _einsum_letters(equation, first, second):
     return operands[0], operands[1], output
 
 
-def _split_like(value, other, letters, other_letters, output):
-    """`value`, split along a shared output letter on each mesh axis where
-    it is replicated and `other` is split along that letter (sizes
+def _split_like(value, other, letters, other_letters):
+    """`value`, split along a letter of both operands on each mesh axis
+    where it is replicated and `other` is split along that letter (sizes
     equal)."""
     if other.device_mesh != value.device_mesh:
         return value
@@ -183,7 +188,7 @@ def _split_like(value, other, letters, other_letters, output):
         if not mine.is_replicate() or type(theirs) is not Shard:
             continue
         letter = other_letters[theirs.dim]
-        if letter not in letters or letter not in output:
+        if letter not in letters:
             continue
         dim = letters.index(letter)
         if value.shape[dim] != other.shape[theirs.dim] or dim in (
@@ -193,7 +198,27 @@ def _split_like(value, other, letters, other_letters, output):
         placements[axis] = Shard(dim)
     if placements == list(value.placements):
         return value
-    return value.redistribute(value.device_mesh, placements)
+    return _Chunk.apply(value, tuple(placements))
+
+
+class _Chunk(torch.autograd.Function):
+    """A replicated DTensor's local chunk under split `placements`, whose
+    gradient keeps the placements DTensor gives it.
+
+    As the cut DTensor's own rules make inside an operator: nothing moves
+    forward, and the gradient of the chunk, split as the chunk is, is
+    the replicated operand's gradient, split (each element of it comes
+    from one chunk). `DTensor.redistribute` would gather it back to
+    `Replicate` in backward, an all-gather for each `einsum`.
+    """
+
+    @staticmethod
+    def forward(ctx, value, placements):
+        return value.redistribute(value.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 # Torch function -> handler(mode, func, args, kwargs), for

@@ -13,7 +13,10 @@ output's gradient is). It compares each output, and each gradient
   gradient is then DTensor's, in its placements;
 - or, where the local run cut a replicated operand (`local_replays`),
   as a partial sum (`as_partial_sum`): the cut's backward pads the
-  chunk's gradient with zeros where DTensor's keeps it split.
+  chunk's gradient with zeros where DTensor's keeps it split;
+- or as a shard (`as_shard`): a kernel split along a contracted
+  dimension gets its shard's gradient locally, where DTensor's is whole
+  and replicated.
 
 Contract: no collective; `cotangent` cuts a replicated tensor made alike
 on every process to the output's gradient placements, locally.
@@ -22,6 +25,7 @@ on every process to the output's gradient placements, locally.
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Shard
 
 from keras.src.backend.torch import local_call_checks
 from keras.src.backend.torch import shard_local_checks
@@ -48,8 +52,9 @@ def gradient_specs(theirs, mine):
         if type(their) is not DTensor:
             return None
         spec = torch_internals.spec_of(their)
-        if not same(my, torch_internals.local_tensor(their)):
-            spec = as_partial_sum(spec, torch_internals.local_tensor(their), my)
+        local = torch_internals.local_tensor(their)
+        if not same(my, local):
+            spec = as_partial_sum(spec, local, my) or as_shard(spec, local, my)
             if spec is None:
                 return None
         specs.append(contiguous(spec))
@@ -93,6 +98,39 @@ def as_partial_sum(spec, their, my):
     return DTensorSpec(
         spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta
     )
+
+
+def as_shard(spec, their, my):
+    """The spec under which `my`, a local gradient, is this process's
+    chunk of DTensor's gradient (`spec`, local tensor `their`), or None.
+
+    A local run that cut an operand to a split kernel's shard
+    (`local_replays`: keras-hub's Llama query, whose kernel is split
+    along the contracted hidden size) computes the kernel's gradient for
+    its shard; DTensor computes it whole on every process, replicated,
+    and the kernel's layout then cuts it. Where `my` is the chunk here
+    along one dimension of `their`, over one mesh axis on which `their`
+    is replicated, it is the same gradient, split there.
+    """
+    if my.dtype != their.dtype or my.dim() != their.dim():
+        return None
+    dims = [d for d in range(my.dim()) if my.shape[d] != their.shape[d]]
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    coordinate = spec.mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(spec.placements):
+        size = spec.mesh.size(mesh_dim)
+        if not placement.is_replicate() or size == 1:
+            continue
+        chunks = torch_internals.placement_chunks(Shard(dim), their, size)
+        if same(my, chunks[coordinate[mesh_dim]]):
+            placements = list(spec.placements)
+            placements[mesh_dim] = Shard(dim)
+            return DTensorSpec(
+                spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta
+            )
+    return None
 
 
 def same(my, their):
