@@ -36,6 +36,11 @@ CPU), `mid` (4 layers, hidden 256, 4 heads of 64, vocabulary 4096, batch
 `gemma-h1024` (6 layers, hidden 1024, 8 heads of 128, vocabulary 32000,
 batch 16 of 512 tokens: the size of the keras-hub issue's GPU table).
 `--lora RANK` trains LoRA adapters of that rank instead of every weight.
+`--models` may name `native_llama`: the benchmark's plain-torch Llama at
+the preset's sizes, without a distribution and under `parallelize_module`
+(its `mp`; it has no other mode, and trains every weight whatever
+`--lora` says), the native anchor of the keras-hub cells
+(`keras_hub_native`).
 The profiled step counts its collectives, by kind. `--sdpa` restricts
 `scaled_dot_product_attention` to one kernel family for the whole run.
 """
@@ -54,6 +59,7 @@ import traceback
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras_hub  # noqa: E402
+import keras_hub_native  # noqa: E402
 import measure  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -118,6 +124,8 @@ BACKBONES = {
 # token, so their feed-forward costs what the dense models' does), and
 # Qwen-MoE's shared expert half of it.
 MIXTURES = ("qwen_moe", "qwen3_moe")
+# The native anchor's name in `--models` (`keras_hub_native`).
+NATIVE = "native_llama"
 SDPA_BACKENDS = {
     "math": "MATH",
     "efficient": "EFFICIENT_ATTENTION",
@@ -400,6 +408,11 @@ def run_steps(model, label, args, batches):
 
 def train(name, mode, args, batches):
     """Trains one model under `mode`; returns its measurements."""
+    if name == NATIVE:
+        model = keras_hub_native.build(mode, PRESETS[args.preset], SEED)
+        result = run_steps(model, f"{name} {mode}", args, batches)
+        result["dtensor_layers"] = []
+        return result
     if mode == "auto":
         model = build_auto_model(name, args.preset, args.lora, args.jit_compile)
     else:
@@ -467,7 +480,11 @@ def sdpa_scope(choice):
 def run_model(name, args, batches):
     """The run without a distribution, then each mode, `--repeats` times
     in turn; a row per mode (see `merge_runs`)."""
-    modes = ["none"] + args.modes.split(",")
+    modes = ["none"] + [
+        mode
+        for mode in args.modes.split(",")
+        if name != NATIVE or mode in keras_hub_native.MODES
+    ]
     runs = [[] for _ in modes]
     for _ in range(args.repeats):
         for index, mode in enumerate(modes):
