@@ -295,11 +295,13 @@ WORKAROUNDS = (
         "DTensor's einsum views its operands for a batched matmul, where a "
         "split of the heads becomes a strided split, and gathers the "
         "split operand rather than chunking the replicated one (queries "
-        "beside keras-hub's replicated KV cache).",
+        "beside keras-hub's replicated KV cache; Llama's output "
+        "projection, its kernel split along the contracted heads, beside "
+        "a replicated input).",
         ("2.11", NEWEST),
         "not reported upstream yet",
-        "once DTensor's einsum chunks a replicated operand along a shared "
-        "batch letter",
+        "once DTensor's einsum chunks a replicated operand along a letter "
+        "of both operands",
         probed_by="integration_tests/step_handlers_test.py (the gather "
         "outside a step)",
     ),
