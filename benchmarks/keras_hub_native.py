@@ -92,7 +92,7 @@ class NativeModel:
         self.torch_optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.torch_optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     @property
     def weights(self):

@@ -183,3 +183,16 @@ def test_llama3_split_layers_train_on_local_shards(reports):
         local = report["Llama3Backbone/trained_locally"]
         assert {"EinsumDense", "Dense"} <= set(local), local
         assert any("Attention" in name for name in local), local
+
+
+def test_row_parallel_layers_with_biases_train_on_local_shards(reports):
+    # GPT-2's attention output and MLP output projections are split along
+    # their input and add a replicated bias to their partial sums: a
+    # local run adds its share of the bias (divided by the processes, as
+    # DTensor partitions it), and trains locally.
+    if "GPT2Backbone" not in MODELS:
+        pytest.skip("GPT2Backbone is not among the models run")
+    for report in reports:
+        paths = report["GPT2Backbone/trained_locally_paths"]
+        assert any(path.endswith("attention_output") for path in paths), paths
+        assert any("output_dense" in path for path in paths), paths

@@ -232,16 +232,17 @@ def run(spec):
     record(f"{key}/bytes", local_bytes(model))
     record(f"{key}/counts", counts)
     record(f"{key}/trained_locally", trained_locally(model))
+    record(f"{key}/trained_locally_paths", trained_locally(model, "path"))
 
 
-def trained_locally(model):
-    """The classes of the layers that trained on local shards without a
-    batch-local plan (`training_local_calls`)."""
+def trained_locally(model, by="class"):
+    """The classes (or, `by="path"`, the paths) of the layers that trained
+    on local shards without a batch-local plan (`training_local_calls`)."""
     from keras.src.backend.torch import training_local_calls
 
     return sorted(
         {
-            type(layer).__name__
+            type(layer).__name__ if by == "class" else str(layer.path)
             for layer in model._flatten_layers()
             if training_local_calls.runs_locally(layer)
         }

@@ -20,17 +20,20 @@ does, a run on plain tensors would not:
   split tensor and a replicated one takes the replicated one's chunk
   that matches this process's shard, without a collective: a LoRA
   layer's kernel, split by heads, plus the product of its replicated
-  factors.
+  factors. An operation of a partial sum and a replicated tensor takes
+  the replicated one's share, its value divided by the number of
+  processes: a row-parallel layer's replicated bias, added to its
+  partial sum once in total.
 
 While the first call runs on DTensors (`recording`), all three are
 noted in a `Record`: each reshape of a DTensor, by its local input shape
 and the shape asked for, with the local shape DTensor gave; at each
 layer end (`layer_end`), which outputs were reduced over which mesh
 axes; and each argument of a torch call that DTensor cut from replicated
-to split (`note_redistribution`), by the call and its arguments' local
-shapes, with the slices it took. The local runs then replay them
-(`replaying`): a reshape with a noted key asks for the noted local shape,
-a call with a noted key takes the noted slices of its arguments (a key
+to split or to partial sums (`note_redistribution`), by the call and its
+arguments' local shapes, with the `Cut` it made. The local runs then
+replay them (`replaying`): a reshape with a noted key asks for the noted
+local shape, a call with a noted key cuts its arguments as noted (a key
 noted with two results is not replayed), and at the n-th layer end the
 outputs reduced at the first call's n-th layer end are all-reduced over
 the same axes, on the local tensors, with the gradient DTensor gives
@@ -44,8 +47,12 @@ call issued at that layer end, on the same groups, in the same order:
 every process runs the same program, so they stay in lockstep.
 """
 
+import math
+from typing import NamedTuple
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
@@ -70,8 +77,7 @@ class Record:
         reductions: layer end number -> ((output index, mesh, axes), ...)
             for the outputs reduced there.
         cuts: (torch function, its arguments' local shapes) -> argument
-            index -> the slices of it DTensor took ((dim, start, length),
-            ...), or `_AMBIGUOUS`.
+            index -> the `Cut` DTensor made of it, or `_AMBIGUOUS`.
     """
 
     def __init__(self):
@@ -84,16 +90,16 @@ class Record:
         noted = self.shapes.get(key, local_shape)
         self.shapes[key] = local_shape if noted == local_shape else _AMBIGUOUS
 
-    def note_cut(self, key, index, slices):
-        """Notes that the call of `key` cut its argument `index` to
-        `slices` ((dim, start, length), ...)."""
+    def note_cut(self, key, index, cut):
+        """Notes that the call of `key` cut its argument `index` as `cut`
+        (a `Cut`)."""
         cuts = self.cuts.get(key, {})
         if cuts is _AMBIGUOUS:
             return
-        if cuts.get(index, slices) != slices:
+        if cuts.get(index, cut) != cut:
             self.cuts[key] = _AMBIGUOUS
             return
-        cuts[index] = slices
+        cuts[index] = cut
         self.cuts[key] = cuts
 
     def note_end(self, reductions):
@@ -109,6 +115,20 @@ class Record:
             for key, shape in self.shapes.items()
             if shape is not _AMBIGUOUS and shape != key[1]
         }
+
+
+class Cut(NamedTuple):
+    """How a local run takes a replicated argument as DTensor took it.
+
+    Attributes:
+        slices: the chunk, ((dim, start, length), ...).
+        share: the number of processes over which DTensor made it
+            partial sums (a replicated value v is v / n on each, as
+            `Partial` partitions a sum); 1 where it made none.
+    """
+
+    slices: tuple
+    share: int = 1
 
 
 class ReplayPlan:
@@ -225,42 +245,72 @@ def _local_shapes(args):
 
 def _cut(args, cuts):
     args = list(args)
-    for index, slices in cuts.items():
-        for dim, start, length in slices:
-            args[index] = args[index].narrow(dim, start, length)
+    for index, cut in cuts.items():
+        value = args[index]
+        for dim, start, length in cut.slices:
+            value = value.narrow(dim, start, length)
+        if cut.share != 1:
+            value = _Share.apply(value, cut.share)
+        args[index] = value
     return tuple(args)
+
+
+class _Share(torch.autograd.Function):
+    """A replicated value's share of a partial sum, `value / share` (as
+    `Partial` partitions a sum), whose gradient is the value's whole
+    gradient, as DTensor's: the partial sum is reduced where the layer
+    ends (`_ReducedSum`), whose gradient is replicated, so the shares'
+    gradients on all processes add up to that gradient once per
+    process."""
+
+    @staticmethod
+    def forward(ctx, value, share):
+        return value / share
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def note_redistribution(local, current, target, call):
     """Notes, in the open recordings, a redistribution that cuts `local`
-    from replicated to split (on every mesh axis it changes), as an
-    argument of `call`, the torch call the step runs (`(func, args)`)."""
+    from replicated to split or to partial sums (on every mesh axis it
+    changes), as an argument of `call`, the torch call the step runs
+    (`(func, args)`)."""
     records = local_call_state.step_state().recordings
     if not records or call is None:
         return
-    slices = _cut_slices(current, target)
-    if not slices:
+    cut = _cut_of(current, target)
+    if cut is None:
         return
     func, args = call
     for index, arg in enumerate(args):
         if type(arg) is DTensor and torch_internals.local_tensor(arg) is local:
             key = (func, _local_shapes(args))
             for record in records:
-                record.note_cut(key, index, slices)
+                record.note_cut(key, index, cut)
             return
 
 
-def _cut_slices(current, target):
-    """((dim, start, length), ...) of the local tensor of `current` that
-    is that of `target`, where every changed mesh axis goes from
-    replicated to a plain shard; else None."""
+def _cut_of(current, target):
+    """The `Cut` that takes the local tensor of `current` to that of
+    `target`, where every changed mesh axis goes from replicated to a
+    plain shard or a partial sum; else None."""
     changed = [
-        (have, want)
-        for have, want in zip(current.placements, target.placements)
+        (axis, have, want)
+        for axis, (have, want) in enumerate(
+            zip(current.placements, target.placements)
+        )
         if have != want
     ]
     if not changed or not all(
-        have.is_replicate() and type(want) is Shard for have, want in changed
+        have.is_replicate() and type(want) in (Shard, Partial)
+        for _, have, want in changed
+    ):
+        return None
+    if any(
+        type(want) is Partial and not want.is_partial("sum")
+        for _, _, want in changed
     ):
         return None
     shape = current.tensor_meta.shape
@@ -271,11 +321,15 @@ def _cut_slices(current, target):
     want_shape, want_offset = compute_local_shape_and_global_offset(
         shape, mesh, target.placements
     )
-    return tuple(
+    slices = tuple(
         (dim, want_offset[dim] - have_offset[dim], want_shape[dim])
         for dim in range(len(shape))
         if want_shape[dim] != have_shape[dim]
     )
+    share = math.prod(
+        mesh.size(axis) for axis, _, want in changed if type(want) is Partial
+    )
+    return Cut(slices, share)
 
 
 def recordings_open():

@@ -85,13 +85,14 @@ class RecordTest(LocalCallTestCase):
     def test_a_cut_noted_once_is_replayed(self):
         record = local_replays.Record()
         key = (torch.add, ((2, 3), (4, 3)))
-        record.note_cut(key, 1, ((0, 2, 2),))
-        record.note_cut(key, 1, ((0, 2, 2),))
+        cut = local_replays.Cut(((0, 2, 2),))
+        record.note_cut(key, 1, cut)
+        record.note_cut(key, 1, cut)
         other = (torch.add, ((1, 3), (2, 3)))
-        record.note_cut(other, 1, ((0, 0, 1),))
-        record.note_cut(other, 1, ((0, 1, 1),))
+        record.note_cut(other, 1, local_replays.Cut(((0, 0, 1),)))
+        record.note_cut(other, 1, local_replays.Cut(((0, 1, 1),)))
         replay = local_replays.Replay(local_replays.ReplayPlan(record))
-        self.assertEqual(replay.plan.cuts, {key: {1: ((0, 2, 2),)}})
+        self.assertEqual(replay.plan.cuts, {key: {1: cut}})
         shard = torch.zeros(2, 3)
         whole = torch.arange(12.0).reshape(4, 3)
         with local_replays.replaying(replay):
@@ -103,6 +104,20 @@ class RecordTest(LocalCallTestCase):
         self.assertTrue(torch.equal(product, whole))
         with self.assertRaises(RuntimeError):
             torch.add(shard, whole)
+
+    def test_a_share_divides_the_operand_and_keeps_its_gradient(self):
+        # A replicated bias added to a partial sum over 2 processes: each
+        # adds half, as DTensor partitions it; its gradient is the whole.
+        record = local_replays.Record()
+        key = (torch.add, ((2, 3), (3,)))
+        record.note_cut(key, 1, local_replays.Cut((), share=2))
+        replay = local_replays.Replay(local_replays.ReplayPlan(record))
+        bias = torch.tensor([2.0, 4.0, 6.0], requires_grad=True)
+        with local_replays.replaying(replay):
+            total = torch.add(torch.zeros(2, 3), bias)
+        self.assertTrue(torch.equal(total, torch.tensor([[1.0, 2, 3]] * 2)))
+        total.sum().backward()
+        self.assertTrue(torch.equal(bias.grad, torch.full((3,), 2.0)))
 
     def test_paused_recordings_note_nothing(self):
         with local_replays.recording() as record:
