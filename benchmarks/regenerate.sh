@@ -77,14 +77,20 @@ cpu() {
         --seq 128 --batch 16 --steps 10 --out "$OUT" \
         --tag n2_remat_hidden512
     # keras-hub's Gemma and Llama (full: and the Qwen models) under their
-    # own maps and the automatic plan (mid preset).
-    local hub=(benchmarks/keras_hub_step.py --preset mid --models gemma,llama
-        --modes dp,mp --steps 8 --warmup 3 --out "$OUT")
-    run n2_keras_hub_mid_lora_fff2158 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --lora 4 --repeats 3 --tag n2_keras_hub_mid_lora_fff2158
-    run n2_keras_hub_mid_full_fff2158 "$TORCHRUN" --nproc_per_node=2 \
-        "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe \
-        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_fff2158
+    # own maps and the automatic plan (mid preset), beside the native
+    # Llama twin under parallelize_module, in the same launch.
+    local hub=(benchmarks/keras_hub_step.py --preset mid
+        --models gemma,llama,native_llama --modes dp,mp --steps 8 --warmup 3
+        --out "$OUT")
+    run n2_keras_hub_mid_lora_5da98b9 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --lora 4 --repeats 3 --tag n2_keras_hub_mid_lora_5da98b9
+    run n2_keras_hub_mid_full_5da98b9 "$TORCHRUN" --nproc_per_node=2 \
+        "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe,native_llama \
+        --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_5da98b9
+    # One small all-reduce back to back and between computations.
+    run n2_collective_latency "$TORCHRUN" --nproc_per_node=2 \
+        benchmarks/collective_latency.py --out "$OUT" \
+        --tag n2_collective_latency
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
