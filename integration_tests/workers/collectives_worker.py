@@ -131,8 +131,9 @@ def set_fully_sharded_distribution(mode):
 # The `CollectiveCounter` of the counted step, while it runs.
 _COUNTING = []
 # What the counted step did, in order: "gradients reduced" (the gradient
-# buckets' end of backward) and "loss all-reduced" (the all-reduce of a
-# mean computed on local tensors, the loss's under `dp`).
+# buckets' end of backward), "loss all-reduced" (the all-reduce of a
+# mean computed on local tensors, the loss's under `dp`) and "layer end
+# replayed" (a local run's all-reduce where a row-parallel layer ends).
 _EVENTS = []
 # The counts when the loss was computed, i.e. after forward.
 _FORWARD_COUNTS = {}
@@ -202,21 +203,29 @@ CAP_ENV_VARS = ("KERAS_DTENSOR_BUCKET_CAP_MB", "KERAS_DTENSOR_UNIT_CAP_MB")
 @contextlib.contextmanager
 def step_events():
     """Records `_EVENTS` (cleared first) while the block runs."""
+    from keras.src.backend.torch import local_call_state
     from keras.src.backend.torch import reducer
     from keras.src.backend.torch import torch_runtime
 
     def noting(event, function):
         def noted(*args, **kwargs):
-            if not _EVENTS or _EVENTS[-1] != event:
-                _EVENTS.append(event)
+            name = event() if callable(event) else event
+            if not _EVENTS or _EVENTS[-1] != name:
+                _EVENTS.append(name)
             return function(*args, **kwargs)
 
         return noted
 
+    def all_reduce_event():
+        # Inside a local run, the all-reduce where a sublayer ends
+        # (`local_replays`); elsewhere, that of a loss reduced on local
+        # tensors (`batch_reductions`).
+        if local_call_state.step_state().replays:
+            return "layer end replayed"
+        return "loss all-reduced"
+
     _EVENTS.clear()
     finish = reducer._finish_backward
-    # The all-reduce of a loss reduced on local tensors
-    # (`batch_reductions`); a training step makes no other.
     all_reduce = torch_runtime.all_reduce_sum
     with (
         mock.patch.object(
@@ -227,7 +236,7 @@ def step_events():
         mock.patch.object(
             torch_runtime,
             "all_reduce_sum",
-            noting("loss all-reduced", all_reduce),
+            noting(all_reduce_event, all_reduce),
         ),
     ):
         yield

@@ -258,10 +258,11 @@ def _cut(args, cuts):
 class _Share(torch.autograd.Function):
     """A replicated value's share of a partial sum, `value / share` (as
     `Partial` partitions a sum), whose gradient is the value's whole
-    gradient, as DTensor's: the partial sum is reduced where the layer
-    ends (`_ReducedSum`), whose gradient is replicated, so the shares'
-    gradients on all processes add up to that gradient once per
-    process."""
+    gradient, as DTensor gives it: the value is replicated, and so is
+    the gradient of the sum it joins, reduced where the layer ends
+    (`_ReducedSum`); each process's share adds the value once to that
+    sum in total, so the value's gradient is the sum's, unscaled, on
+    every process."""
 
     @staticmethod
     def forward(ctx, value, share):
