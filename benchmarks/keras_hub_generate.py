@@ -14,7 +14,8 @@ local tensor moves of one call (collectives among them) with its torch
 calls under the step's mode and its collectives; and the median time of
 one all-reduce of a token's hidden states (of the 4 prompts) on these
 processes, which, times the collectives of a token, bounds the time per
-token from below. Run it under torchrun:
+token from below, with the median and mean of one after 3 ms of busy
+work (between computations, as in `generate()`). Run it under torchrun:
 
     KERAS_BACKEND=torch torchrun --nproc_per_node=2 \\
         benchmarks/keras_hub_generate.py --new-tokens 16
@@ -127,17 +128,24 @@ def counted_moves(model, inputs):
     return dict(counts.most_common())
 
 
-def all_reduce_ms(hidden_dim):
-    """The median milliseconds of one all-reduce of a token's hidden
-    states (4 prompts), over every process (200 after 20 warm-up)."""
+def all_reduce_ms(hidden_dim, work_ms=0.0):
+    """The median and mean milliseconds of one all-reduce of a token's
+    hidden states (4 prompts), over every process, each after `work_ms`
+    of busy work (200 after 20 warm-up): between computations, as in
+    `generate()`, a process waiting at a collective may be woken late on
+    a machine whose idle cores halt, and the mean lies above the
+    median."""
     states = torch.ones(4, 1, hidden_dim)
     times = []
     for index in range(220):
         start = time.perf_counter()
+        while (time.perf_counter() - start) * 1000 < work_ms:
+            pass
+        start = time.perf_counter()
         dist.all_reduce(states)
         if index >= 20:
             times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(times), 1000 * statistics.mean(times)
 
 
 def run_model(name, lora_rank, args, inputs):
@@ -163,7 +171,11 @@ def run_model(name, lora_rank, args, inputs):
             set_distribution(mode, BACKBONES[name])
             moves = counted_moves(models[mode], inputs)
             hidden = PRESETS[args.preset]["backbone"]["hidden_dim"]
-            moves["all-reduce ms"] = round(all_reduce_ms(hidden), 3)
+            median, _ = all_reduce_ms(hidden)
+            moves["all-reduce ms"] = round(median, 3)
+            median, mean = all_reduce_ms(hidden, work_ms=3.0)
+            moves["all-reduce ms after 3 ms of work, median"] = round(median, 3)
+            moves["all-reduce ms after 3 ms of work, mean"] = round(mean, 3)
         rows.append(
             {
                 "model": f"{name}, LoRA {lora_rank}" if lora_rank else name,
