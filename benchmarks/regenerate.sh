@@ -87,10 +87,6 @@ cpu() {
     run n2_keras_hub_mid_full_5da98b9 "$TORCHRUN" --nproc_per_node=2 \
         "${hub[@]}" --models gemma,llama,qwen,qwen_moe,qwen3_moe,native_llama \
         --modes dp,mp,auto --repeats 3 --tag n2_keras_hub_mid_full_5da98b9
-    # One small all-reduce back to back and between computations.
-    run n2_collective_latency "$TORCHRUN" --nproc_per_node=2 \
-        benchmarks/collective_latency.py --out "$OUT" \
-        --tag n2_collective_latency
     run n2_keras_hub_mid_lora_jit_9708d71 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_step.py --preset mid --models gemma --modes mp \
         --lora 4 --steps 8 --warmup 3 --jit-compile --out "$OUT" \
@@ -105,10 +101,10 @@ cpu() {
         --dtype bfloat16 --save --paths slices --out "$OUT"
     run replicated_reads "$PYTHON" benchmarks/replicated_reads.py --out "$OUT"
     # keras-hub's Gemma generate() per token, none against (1, 2), without
-    # and with LoRA factors of rank 4.
-    run n2_keras_hub_generate_fff2158 "$TORCHRUN" --nproc_per_node=2 \
+    # and with LoRA factors of rank 4, and one all-reduce's latency.
+    run n2_keras_hub_generate_7020e75 "$TORCHRUN" --nproc_per_node=2 \
         benchmarks/keras_hub_generate.py --new-tokens 16 --lora 0,4 \
-        --out "$OUT" --tag n2_keras_hub_generate_fff2158
+        --out "$OUT" --tag n2_keras_hub_generate_7020e75
 }
 
 gpu() {
