@@ -155,24 +155,24 @@ def _einsum(mode, func, args, kwargs):
     letters = _einsum_letters(equation, first, second)
     if letters is None:
         return func(*args, **kwargs)
-    first = _split_like(first, second, letters[0], letters[1])
-    second = _split_like(second, first, letters[1], letters[0])
+    first_letters, second_letters = letters
+    first = _split_like(first, second, first_letters, second_letters)
+    second = _split_like(second, first, second_letters, first_letters)
     return func(equation, first, second)
 
 
 def _einsum_letters(equation, first, second):
-    """The letters of each operand and of the output, or None where the
-    equation has an ellipsis or does not fit the operands."""
+    """The letters of each operand, or None where the equation has an
+    ellipsis or no output, or does not fit the operands."""
     equation = equation.replace(" ", "")
     if "..." in equation or "->" not in equation:
         return None
-    inputs, output = equation.split("->")
-    operands = inputs.split(",")
+    operands = equation.split("->")[0].split(",")
     if len(operands) != 2:
         return None
     if (len(operands[0]), len(operands[1])) != (first.ndim, second.ndim):
         return None
-    return operands[0], operands[1], output
+    return operands[0], operands[1]
 
 
 def _split_like(value, other, letters, other_letters):
